@@ -1,0 +1,209 @@
+"""The forward and backward interpreters over a `Tape`.
+
+forward: bind each record's primitive on jax arrays (or tracers), pack the
+residuals its rule declared through the residual policy, and drop every
+value at its last use.
+
+backward: walk the records in reverse; a record whose outputs received no
+cotangent does no work (symbolic zeros). Each residual is unpacked when its
+record runs and, unless the caller retains them, released right after, so
+memory falls during backward as in PyTorch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax import lax
+
+from tapegrad._tape import Lit, Record, Tape, Var
+from tapegrad.errors import ResidualError, where
+from tapegrad.policies._base import SAVE, ResidualInfo
+from tapegrad.rules import FALLBACK, Res, lookup
+
+__all__ = ["Residuals", "forward", "backward"]
+
+
+class Residuals:
+    """The packed residuals of one forward run, keyed by value.
+
+    A value saved by several records (``tanh``'s output is also the next
+    ``dot_general``'s input) is packed once; ``refs`` counts the records that
+    still need it so backward can release it after its last use.
+    """
+
+    __slots__ = ("store", "refs", "keys", "policy", "infos", "released")
+
+    def __init__(self, policy):
+        self.store: dict[Any, Any] = {}
+        self.refs: dict[Any, int] = {}
+        self.keys: dict[int, tuple] = {}
+        self.infos: dict[Any, ResidualInfo] = {}
+        self.policy = policy
+        self.released = False
+
+
+def _key(rec: Record, kind: str, idx: int):
+    if kind == "aux":
+        return ("aux", rec.index, idx)
+    return (rec.inputs[idx] if kind == "in" else rec.outputs[idx]).id
+
+
+def _bind(rec: Record, ins: list) -> list:
+    out = rec.prim.bind(*ins, **rec.bind_params)
+    return list(out) if rec.prim.multiple_results else [out]
+
+
+def forward(tape: Tape, args: Sequence[Any], policy: Any = SAVE) -> tuple[list, Residuals]:
+    """Run the tape forward; returns (flat outputs, residuals)."""
+    env: dict[int, Any] = {v.id: x for v, x in zip(tape.inputs, args)}
+    for v, c in tape.consts:
+        env[v.id] = c
+
+    last_use: dict[int, int] = {}
+    for rec in tape.records:
+        for i in rec.inputs:
+            if isinstance(i, Var):
+                last_use[i.id] = rec.index
+    for o in tape.outputs:
+        if isinstance(o, Var):
+            last_use[o.id] = len(tape.records)
+
+    res = Residuals(policy)
+    plain = policy is SAVE
+    store, refs = res.store, res.refs
+    for rec in tape.records:
+        ins = [env[i.id] if isinstance(i, Var) else i.value for i in rec.inputs]
+        derived = None
+        if rec.rule == "none":
+            outs = _bind(rec, ins)
+        else:
+            rule = lookup(rec.primitive) or FALLBACK
+            if rule.derive is None:
+                outs = _bind(rec, ins)
+            else:
+                outs, derived = rule.derive(rec, ins)
+        for o, val in zip(rec.outputs, outs):
+            env[o.id] = val
+        if rec.saves:
+            keys = []
+            for s in rec.saves:
+                key = _key(rec, s.kind, s.index)
+                keys.append(key)
+                if key in store:
+                    refs[key] += 1
+                    continue
+                if s.kind == "in":
+                    value = ins[s.index]
+                elif s.kind == "out":
+                    value = outs[s.index]
+                else:
+                    value = derived[s.index]
+                refs[key] = 1
+                if plain:
+                    store[key] = value
+                else:
+                    info = ResidualInfo(rec, s, s.shape, s.dtype)
+                    res.infos[key] = info
+                    store[key] = policy.pack(value, info)
+            res.keys[rec.index] = tuple(keys)
+        for i in rec.inputs:
+            if isinstance(i, Var) and last_use.get(i.id) == rec.index:
+                env.pop(i.id, None)
+    outs = [env[o.id] if isinstance(o, Var) else o.value for o in tape.outputs]
+    return outs, res
+
+
+def _unbroadcast(ct, shape):
+    """Sum a cotangent down to ``shape`` (scalar literals broadcast in jaxprs)."""
+    if not shape:
+        return ct.sum() if ct.ndim else ct
+    lead = ct.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(
+        lead + i for i, n in enumerate(shape) if n == 1 and ct.shape[lead + i] != 1)
+    if axes:
+        ct = ct.sum(axis=axes, keepdims=False)
+    return ct.reshape(shape)
+
+
+def _fit(ct, var, rec: Record, i: int):
+    if ct.shape != var.shape:
+        if np.prod(ct.shape) < np.prod(var.shape):
+            raise ResidualError(
+                f"internal: backward of {where(rec)} returned a cotangent of shape "
+                f"{ct.shape} for input {i} of shape {var.shape}")
+        ct = _unbroadcast(ct, var.shape)
+    if ct.dtype != var.dtype:
+        ct = ct.astype(var.dtype)
+    return ct
+
+
+def _unpack(res: Residuals, rec: Record, key, s):
+    packed = res.store[key]
+    if res.policy is SAVE:
+        return packed
+    info = res.infos[key]
+    value = res.policy.unpack(packed, info)
+    if tuple(value.shape) != s.shape or np.dtype(value.dtype) != s.dtype:
+        raise ResidualError(
+            f"the residual policy's unpack returned {value.dtype}{list(value.shape)} for "
+            f"{s} of {where(rec)}, which saved {np.dtype(s.dtype)}{list(s.shape)}. "
+            "unpack must return an array of the shape and dtype that pack received.")
+    return value
+
+
+def backward(tape: Tape, res: Residuals, out_cts: Sequence[Any], retain: bool = True) -> list:
+    """Cotangents of the tape's inputs (None where an input gets none)."""
+    if res.released:
+        raise ResidualError(
+            "Trying to run backward through the tape a second time, but its residuals "
+            "were released after the first backward. Use tg.vjp(..., "
+            "retain_residuals=True) to call vjp_fn more than once.")
+    cts: dict[int, Any] = {}
+
+    def accum(var, ct):
+        prev = cts.get(var.id)
+        cts[var.id] = ct if prev is None else lax.add(prev, ct)
+
+    for o, ct in zip(tape.outputs, out_cts):
+        if ct is not None and isinstance(o, Var):
+            accum(o, ct)
+
+    store, refs = res.store, res.refs
+    for rec in reversed(tape.records):
+        if rec.rule == "none":
+            continue
+        gs = [cts.pop(o.id, None) for o in rec.outputs]
+        keys = res.keys.get(rec.index, ())
+        if any(g is not None for g in gs):
+            x = [i.value if type(i) is Lit else None for i in rec.inputs]
+            y = [None] * len(rec.outputs)
+            aux: list = []
+            for s, key in zip(rec.saves, keys):
+                if key not in store:
+                    raise ResidualError(f"residual {s} of {where(rec)} is missing")
+                v = _unpack(res, rec, key, s)
+                if s.kind == "in":
+                    x[s.index] = v
+                elif s.kind == "out":
+                    y[s.index] = v
+                else:
+                    aux.extend([None] * (s.index + 1 - len(aux)))
+                    aux[s.index] = v
+            rule = lookup(rec.primitive) or FALLBACK
+            r = Res(x, y, aux, rec.inputs, rec.outputs, rec)
+            in_cts = rule.vjp(rec.params, r, gs, rec.active)
+            for i, (inp, a, ct) in enumerate(zip(rec.inputs, rec.active, in_cts)):
+                if a and ct is not None:
+                    accum(inp, _fit(ct, inp, rec, i))
+        if not retain:
+            for key in keys:
+                n = refs[key] - 1
+                refs[key] = n
+                if n == 0:
+                    del store[key]
+    if not retain:
+        res.released = True
+    return [cts.get(v.id) for v in tape.inputs]

@@ -1,0 +1,121 @@
+"""Every use of jax internals lives here, so a jax upgrade touches one file.
+
+Public jax names are preferred everywhere else; what remains below has no
+public spelling in jax 0.10 (source frames, evaluating a custom_vjp's
+forward thunk, recognising checkpoint/name under both remat settings).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+from jax.extend import core as jex_core
+from jax.extend.core import primitives as jex_prims
+from jax._src import source_info_util as _siu  # no public API for user frames
+from jax._src import core as _core
+
+Literal = jex_core.Literal
+Var = jex_core.Var
+ClosedJaxpr = jex_core.ClosedJaxpr
+Jaxpr = jex_core.Jaxpr
+Primitive = jex_core.Primitive
+
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+# Make jax (and us) treat tapegrad's own frames as library frames, so the
+# "user frame" of a record is the user's line even for records emitted by
+# tapegrad's rules (e.g. when differentiating tg.grad itself).
+_siu.register_exclusion(_PKG_DIR + os.sep)
+_siu.register_inclusion(os.path.join(_PKG_DIR, "__main__.py"))  # the demo is user code
+
+# Primitives whose sub-jaxpr is inlined into the tape.
+INLINE_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
+REMAT_NAMES = frozenset({"remat2", "checkpoint", "remat"})
+
+name_p = jex_prims.name_p
+remat_p = jex_prims.remat_p
+custom_jvp_call_p = jex_prims.custom_jvp_call_p
+custom_vjp_call_p = jex_prims.custom_vjp_call_p
+
+
+def frame_of(source_info: Any) -> tuple[str, int, str] | None:
+    """The innermost user frame of an equation's source_info, as (file, line, function)."""
+    if source_info is None:
+        return None
+    frame = _siu.user_frame(source_info.traceback)
+    if frame is None:
+        return None
+    return frame.file_name, frame.start_line, frame.function_name
+
+
+def current_source_info() -> Any:
+    return _siu.current()
+
+
+def sub_jaxpr(params: dict) -> ClosedJaxpr | None:
+    """The callee of an inlinable call equation, as a ClosedJaxpr."""
+    jaxpr = params.get("jaxpr", params.get("call_jaxpr"))
+    if jaxpr is None:
+        return None
+    if isinstance(jaxpr, ClosedJaxpr):
+        return jaxpr
+    return ClosedJaxpr(jaxpr, ())
+
+
+def hi_primitive_kind(params: dict) -> str | None:
+    """Under ``jax_remat3``, checkpoint and checkpoint_name are ``call_hi_primitive``
+    equations whose ``_prim`` is a RematTraced / CheckpointName instance."""
+    prim = params.get("_prim")
+    if prim is None:
+        return None
+    return type(prim).__name__
+
+
+def hi_primitive_name(params: dict) -> str | None:
+    prim = params.get("_prim")
+    return getattr(prim, "name", None)
+
+
+def custom_vjp_forward(params: dict, args: list, active: list[bool]):
+    """Run a ``custom_vjp_call``'s user forward; returns (outputs, residuals).
+
+    Mirrors jax's own JVP of custom_vjp_call (jax/_src/interpreters/ad.py):
+    the forward thunk is specialised on which inputs carry tangents.
+    """
+    num_consts = params["num_consts"]
+    consts, primals = args[:num_consts], args[num_consts:]
+    fwd_jaxpr, fwd_consts = params["fwd_jaxpr_thunk"].call_wrapped(*active[num_consts:])
+    res_and_out = _core.eval_jaxpr(fwd_jaxpr, fwd_consts, *primals)
+    _, res_tree, input_fwds = params["out_trees"]()
+    num_res_out = res_tree.num_leaves - sum(f is not None for f in input_fwds)
+    res_out, outs = res_and_out[:num_res_out], res_and_out[num_res_out:]
+    it = iter(res_out)
+    res = [next(it) if f is None else primals[f] for f in input_fwds]
+    del consts
+    return list(outs), res
+
+
+def custom_vjp_backward(params: dict, res: list, cts: list) -> list:
+    """Call a ``custom_vjp_call``'s user backward; symbolic zeros become None."""
+    out = params["bwd"].call_wrapped(*res, *cts)
+    return [c if _is_array_like(c) else None for c in out]
+
+
+def custom_vjp_residual_avals(params: dict, active: list[bool]) -> list:
+    num_consts = params["num_consts"]
+    fwd_jaxpr, _ = params["fwd_jaxpr_thunk"].call_wrapped(*active[num_consts:])
+    _, res_tree, input_fwds = params["out_trees"]()
+    num_res_out = res_tree.num_leaves - sum(f is not None for f in input_fwds)
+    outs = [v.aval for v in fwd_jaxpr.outvars][:num_res_out]
+    return outs, input_fwds
+
+
+def _is_array_like(x: Any) -> bool:
+    return isinstance(x, (jax.Array, _core.Tracer)) or hasattr(x, "__jax_array__") or (
+        hasattr(x, "shape") and hasattr(x, "dtype") and not type(x).__name__.endswith("Zero")
+    )
+
+
+def eval_closed_jaxpr(closed: ClosedJaxpr, *args):
+    return jex_core.jaxpr_as_fun(closed)(*args)

@@ -1,0 +1,259 @@
+"""The explicit tape: frozen records of primitive applications.
+
+A `Tape` is data. It is built once by `tg.trace` (or internally by `tg.grad`)
+and never mutated; passes build new tapes. State that changes while a tape
+runs (values, residual stores, cotangents) lives in the interpreter.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
+
+import numpy as np
+
+from tapegrad import _jax_compat as compat
+
+__all__ = ["Var", "Lit", "Saved", "Record", "Tape"]
+
+
+def _short_dtype(dtype: np.dtype) -> str:
+    d = np.dtype(dtype)
+    names = {"float": "f", "int": "i", "uint": "u", "complex": "c", "bool": "bool"}
+    for long, short in names.items():
+        if d.name.startswith(long):
+            return d.name.replace(long, short, 1) if short != "bool" else "bool"
+    return d.name
+
+
+def aval_str(shape: tuple[int, ...], dtype: Any) -> str:
+    return f"{_short_dtype(dtype)}[{','.join(map(str, shape))}]"
+
+
+def _letters(n: int) -> str:
+    s = ""
+    n += 1
+    while n:
+        n, r = divmod(n - 1, 26)
+        s = chr(ord("a") + r) + s
+    return s
+
+
+@dataclass(frozen=True, slots=True)
+class Var:
+    """A value on the tape: an input, a constant, or a record's output."""
+
+    id: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+    @property
+    def aval(self) -> str:
+        return aval_str(self.shape, self.dtype)
+
+    def __str__(self) -> str:
+        return _letters(self.id)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Lit:
+    """A literal operand (a constant scalar folded into the equation by jax)."""
+
+    value: Any
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return 0  # literals live in the program, not in memory the tape owns
+
+    def __str__(self) -> str:
+        v = np.asarray(self.value)
+        return f"{v.item() if v.ndim == 0 else v}:{aval_str(self.shape, self.dtype)}"
+
+
+@dataclass(frozen=True, slots=True)
+class Saved:
+    """One residual a record keeps for backward.
+
+    `kind` is ``"in"`` (the record's `index`-th input), ``"out"`` (its output)
+    or ``"aux"`` (a value derived in forward, e.g. a custom_vjp residual).
+    """
+
+    kind: str
+    index: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def ref(self) -> tuple[str, int]:
+        return (self.kind, self.index)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+    def __str__(self) -> str:
+        tag = {"in": "in", "out": "out", "aux": "aux"}[self.kind]
+        return f"{tag}{self.index}"
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Record:
+    """One primitive application on the tape.
+
+    Attributes:
+      index: position on the tape.
+      primitive: the jax primitive's name, e.g. ``"tanh"``.
+      inputs, outputs: the `Var` / `Lit` operands and the result `Var`s.
+      params: the equation's parameters (read-only).
+      saves: the residuals this record keeps for backward (empty when the
+        record takes no part in backward).
+      active: per input, whether backward computes a cotangent for it.
+      rule: ``"rule"`` (a tapegrad rule), ``"fallback"`` (jax.vjp of the single
+        primitive, saving its inputs), or ``"none"`` (not in backward).
+    """
+
+    index: int
+    primitive: str
+    inputs: tuple[Var | Lit, ...]
+    outputs: tuple[Var, ...]
+    params: Mapping[str, Any]
+    saves: tuple[Saved, ...] = ()
+    active: tuple[bool, ...] = ()
+    rule: str = "none"
+    prim: Any = field(default=None, repr=False)
+    source_info: Any = field(default=None, repr=False)
+    bind_params: Any = field(default=None, repr=False)
+
+    @property
+    def source(self) -> str:
+        """The user's source line that produced this record, ``file:line (function)``."""
+        frame = compat.frame_of(self.source_info)
+        if frame is None:
+            return "<unknown>"
+        file, line, fn = frame
+        return f"{file}:{line} ({fn})"
+
+    @property
+    def short_source(self) -> str:
+        frame = compat.frame_of(self.source_info)
+        if frame is None:
+            return "<unknown>"
+        file, line, fn = frame
+        return f"{file.rsplit('/', 1)[-1]}:{line} ({fn})"
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(s.nbytes for s in self.saves)
+
+    @property
+    def in_backward(self) -> bool:
+        return self.rule != "none"
+
+    def params_str(self) -> str:
+        items = []
+        for k, v in self.params.items():
+            if k in ("jaxpr", "call_jaxpr", "jvp_jaxpr_fun", "fwd_jaxpr_thunk", "bwd",
+                     "out_trees", "branches", "cond_jaxpr", "body_jaxpr", "_prim"):
+                v = "…"
+            items.append(f"{k}={v}")
+        s = " ".join(items)
+        return f"[{s}]" if s else ""
+
+    def __str__(self) -> str:
+        outs = " ".join(f"{o}:{o.aval}" for o in self.outputs)
+        ins = " ".join(str(i) for i in self.inputs)
+        line = f"{outs} = {self.primitive}{self.params_str()} {ins}"
+        if self.saves:
+            line += f"   saves[{','.join(map(str, self.saves))}]"
+        if self.rule == "fallback":
+            line += " (fallback)"
+        return line
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Tape:
+    """An immutable list of `Record`s, with the tape's inputs, constants and outputs.
+
+    ``str(tape)`` prints one line per record; in Jupyter the tape renders as a table.
+    """
+
+    inputs: tuple[Var, ...]
+    records: tuple[Record, ...]
+    outputs: tuple[Var | Lit, ...]
+    consts: tuple[tuple[Var, Any], ...] = ()
+    active_inputs: tuple[bool, ...] = ()
+    in_tree: Any = field(default=None, repr=False)
+    out_tree: Any = field(default=None, repr=False)
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes of distinct values kept for backward (literals and constants excluded)."""
+        return sum(nbytes for _, nbytes in self.residual_vars().items())
+
+    def residual_vars(self) -> dict[Any, int]:
+        """Distinct residual values: a value saved by several records counts once."""
+        const_ids = {v.id for v, _ in self.consts}
+        seen: dict[Any, int] = {}
+        for rec in self.records:
+            for s in rec.saves:
+                if s.kind == "aux":
+                    seen[(rec.index, s.index)] = s.nbytes
+                    continue
+                v = rec.inputs[s.index] if s.kind == "in" else rec.outputs[s.index]
+                if isinstance(v, Lit) or v.id in const_ids:
+                    continue
+                seen[v.id] = v.nbytes
+        return seen
+
+    @property
+    def fallback_records(self) -> tuple[Record, ...]:
+        return tuple(r for r in self.records if r.rule == "fallback")
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __str__(self) -> str:
+        ins = " ".join(f"{v}:{v.aval}" for v in self.inputs)
+        lines = [f"{{ lambda {' '.join(str(v) for v, _ in self.consts)} ; {ins}. let"]
+        body = [(str(r), r.short_source) for r in self.records]
+        width = min(max((len(b) for b, _ in body), default=0), 72)
+        for b, src in body:
+            lines.append(f"    {b.ljust(width)}  # {src}")
+        outs = " ".join(str(o) for o in self.outputs)
+        lines.append(f"  in ({outs}) }}")
+        lines.append(f"  # {len(self.records)} records, {self.saved_bytes:,} bytes saved for backward")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        rows = []
+        for r in self.records:
+            outs = ", ".join(o.aval for o in r.outputs)
+            ins = ", ".join(getattr(i, "aval", str(i)) for i in r.inputs)
+            saves = ", ".join(f"{s} {aval_str(s.shape, s.dtype)}" for s in r.saves)
+            cls = ' style="color:#b35900"' if r.rule == "fallback" else ""
+            rows.append(
+                f"<tr{cls}><td>{r.index}</td><td><b>{html.escape(r.primitive)}</b></td>"
+                f"<td>{html.escape(ins)}</td><td>{html.escape(outs)}</td>"
+                f"<td>{html.escape(saves)}</td><td style='text-align:right'>{r.saved_bytes:,}</td>"
+                f"<td><code>{html.escape(r.short_source)}</code></td></tr>"
+            )
+        head = ("<tr><th>#</th><th>primitive</th><th>inputs</th><th>outputs</th>"
+                "<th>saves</th><th>bytes saved</th><th>source</th></tr>")
+        return (
+            f"<table class='tapegrad-tape'><caption>Tape: {len(self.records)} records, "
+            f"{self.saved_bytes:,} bytes saved (distinct)</caption>{head}{''.join(rows)}</table>"
+        )
+
+
+def frozen_params(params: dict) -> Mapping[str, Any]:
+    return MappingProxyType(dict(params))

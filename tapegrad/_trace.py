@@ -1,0 +1,187 @@
+"""jaxpr -> Tape.
+
+Tracing uses jax's own tracer (`jax.make_jaxpr`); this module converts the
+`ClosedJaxpr` into tapegrad's frozen records, inlines nested ``jit`` calls,
+and decides, per record, what it saves for backward:
+
+* *active* values depend on a differentiated input (forward reachability);
+* *useful* values reach a differentiated output (backward reachability);
+* a record takes part in backward when an active input of it feeds a useful
+  output, and then saves exactly what its rule needs for those inputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from tapegrad import _jax_compat as compat
+from tapegrad._tape import Lit, Record, Saved, Tape, Var, frozen_params
+from tapegrad.errors import NonDifferentiableError, where
+from tapegrad.rules import FALLBACK, NONDIFF, WHILE_ERROR, lookup
+
+__all__ = ["trace_flat", "is_differentiable_dtype"]
+
+
+def is_differentiable_dtype(dtype: Any) -> bool:
+    return jax.numpy.issubdtype(dtype, jax.numpy.inexact)
+
+
+class _Raw:
+    """A record before analysis (mutable only while this module builds it)."""
+
+    __slots__ = ("prim", "name", "params", "inputs", "outputs", "source_info")
+
+    def __init__(self, prim, name, params, inputs, outputs, source_info):
+        self.prim, self.name, self.params = prim, name, params
+        self.inputs, self.outputs, self.source_info = inputs, outputs, source_info
+
+
+class _Builder:
+    def __init__(self):
+        self.counter = itertools.count()
+        self.raws: list[_Raw] = []
+        self.consts: list[tuple[Var, Any]] = []
+
+    def new_var(self, aval) -> Var:
+        return Var(next(self.counter), tuple(aval.shape), np.dtype(aval.dtype))
+
+    def convert(self, jaxpr, consts: Sequence[Any], in_vals: Sequence[Var | Lit]) -> list[Var | Lit]:
+        env: dict[Any, Var | Lit] = {}
+        for v, c in zip(jaxpr.constvars, consts):
+            var = self.new_var(v.aval)
+            self.consts.append((var, c))
+            env[v] = var
+        for v, x in zip(jaxpr.invars, in_vals):
+            env[v] = x
+
+        def read(v):
+            if isinstance(v, compat.Literal):
+                aval = v.aval
+                return Lit(v.val, tuple(aval.shape), np.dtype(aval.dtype))
+            return env[v]
+
+        for eqn in jaxpr.eqns:
+            ins = [read(v) for v in eqn.invars]
+            name = eqn.primitive.name
+            if name in compat.INLINE_CALLS:
+                sub = compat.sub_jaxpr(eqn.params)
+                outs = self.convert(sub.jaxpr, sub.consts, ins)
+                for v, o in zip(eqn.outvars, outs):
+                    env[v] = o
+                continue
+            if name == "call_hi_primitive":
+                kind = compat.hi_primitive_kind(eqn.params)
+                name = {"CheckpointName": "name", "RematTraced": "remat2"}.get(kind, name)
+            outs = [self.new_var(v.aval) for v in eqn.outvars]
+            for v, o in zip(eqn.outvars, outs):
+                env[v] = o
+            self.raws.append(_Raw(eqn.primitive, name, eqn.params, ins, outs, eqn.source_info))
+        return [read(v) for v in jaxpr.outvars]
+
+
+def _rule_for(raw: _Raw):
+    rule = lookup(raw.name)
+    return rule if rule is not None else FALLBACK
+
+
+def trace_flat(
+    flat_fun: Callable,
+    flat_args: Sequence[Any],
+    active_inputs: Sequence[bool],
+    diff_outputs: Callable[[int], Sequence[bool]] | Sequence[bool] | None = None,
+    in_tree: Any = None,
+    out_tree_fn: Callable[[], Any] | None = None,
+) -> Tape:
+    """Trace ``flat_fun(*flat_args)`` into a `Tape`.
+
+    ``active_inputs[i]`` says whether input i is differentiated;
+    ``diff_outputs`` whether each output receives a cotangent (default: all).
+    """
+    closed = jax.make_jaxpr(flat_fun)(*flat_args)
+    b = _Builder()
+    in_vars = [b.new_var(v.aval) for v in closed.jaxpr.invars]
+    outs = b.convert(closed.jaxpr, closed.consts, in_vars)
+
+    n_out = len(outs)
+    if diff_outputs is None:
+        diff = [True] * n_out
+    elif callable(diff_outputs):
+        diff = list(diff_outputs(n_out))
+    else:
+        diff = list(diff_outputs)
+
+    # Forward: which values depend on a differentiated input.
+    active: set[int] = {v.id for v, a in zip(in_vars, active_inputs)
+                        if a and is_differentiable_dtype(v.dtype)}
+    for raw in b.raws:
+        if raw.name in NONDIFF:
+            continue
+        if any(isinstance(i, Var) and i.id in active for i in raw.inputs):
+            for o in raw.outputs:
+                if is_differentiable_dtype(o.dtype):
+                    active.add(o.id)
+
+    # Backward: which active values reach a differentiated output.
+    useful: set[int] = {o.id for o, d in zip(outs, diff)
+                        if d and isinstance(o, Var) and o.id in active}
+    in_bwd: list[bool] = [False] * len(b.raws)
+    for k in range(len(b.raws) - 1, -1, -1):
+        raw = b.raws[k]
+        if any(o.id in useful for o in raw.outputs):
+            act = [isinstance(i, Var) and i.id in active for i in raw.inputs]
+            if any(act):
+                in_bwd[k] = True
+                for i, a in zip(raw.inputs, act):
+                    if a:
+                        useful.add(i.id)
+
+    records = []
+    for k, raw in enumerate(b.raws):
+        params = frozen_params(raw.params)
+        bind_params = raw.prim.get_bind_params(dict(raw.params))
+        if not in_bwd[k]:
+            records.append(Record(k, raw.name, tuple(raw.inputs), tuple(raw.outputs), params,
+                                  prim=raw.prim, source_info=raw.source_info,
+                              bind_params=bind_params))
+            continue
+        act = tuple(isinstance(i, Var) and i.id in active and i.id in useful for i in raw.inputs)
+        rule = _rule_for(raw)
+        proto = Record(k, raw.name, tuple(raw.inputs), tuple(raw.outputs), params,
+                       active=act, rule=rule.kind, prim=raw.prim, source_info=raw.source_info)
+        if rule.kind == "error":
+            raise NonDifferentiableError(WHILE_ERROR(proto))
+        refs = rule.saves(params, proto.inputs, proto.outputs, act)
+        aux = list(rule.aux_avals(params, proto.inputs, proto.outputs, act)) if rule.aux_avals else []
+        saves = []
+        for kind, idx in refs:
+            if kind == "in":
+                v = raw.inputs[idx]
+                if isinstance(v, Lit):
+                    continue  # literals live in the program; backward reads them there
+            elif kind == "out":
+                v = raw.outputs[idx]
+            else:
+                v = aux[idx]
+            saves.append(Saved(kind, idx, tuple(v.shape), np.dtype(v.dtype)))
+        records.append(Record(k, raw.name, tuple(raw.inputs), tuple(raw.outputs), params,
+                              saves=tuple(saves), active=act, rule=rule.kind,
+                              prim=raw.prim, source_info=raw.source_info,
+                              bind_params=bind_params))
+
+    return Tape(
+        inputs=tuple(in_vars),
+        records=tuple(records),
+        outputs=tuple(outs),
+        consts=tuple(b.consts),
+        active_inputs=tuple(bool(a) for a in active_inputs),
+        in_tree=in_tree,
+        out_tree=out_tree_fn() if out_tree_fn is not None else None,
+    )
+
+
+def describe_nondiff(record: Record, why: str) -> str:
+    return f"cannot differentiate {where(record)}: {why}"

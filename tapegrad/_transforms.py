@@ -1,0 +1,243 @@
+"""The public transforms: grad, value_and_grad, vjp, trace.
+
+Each traces the function into a `Tape`, runs the forward interpreter, and
+(for grad) runs the backward interpreter at once, releasing residuals as it
+goes. Signatures follow jax's.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import tree_util
+
+from tapegrad._interpret import backward, forward
+from tapegrad._tape import Tape
+from tapegrad._trace import is_differentiable_dtype, trace_flat
+from tapegrad.policies._base import current_policy
+
+__all__ = ["grad", "value_and_grad", "vjp", "trace"]
+
+
+def _is_array_leaf(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex, bool)) or hasattr(
+        x, "__jax_array__") or isinstance(x, jax.core.Tracer)
+
+
+def _check_leaves(leaves, fun_name: str) -> None:
+    for x in leaves:
+        if not _is_array_leaf(x):
+            raise TypeError(
+                f"Argument {x!r} of type {type(x)} passed to {fun_name} is not a valid JAX type. "
+                "Pass arrays (or pytrees of arrays); mark other arguments static with "
+                "functools.partial or a closure.")
+
+
+def _argnums_tuple(argnums: int | Sequence[int], n_args: int, fun_name: str) -> tuple[int, ...]:
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    if not nums:
+        raise ValueError(f"{fun_name}: argnums must not be empty.")
+    for a in nums:
+        if not isinstance(a, (int, np.integer)):
+            raise TypeError(f"{fun_name}: argnums must be ints, got {a!r}.")
+        if not -n_args <= a < n_args:
+            raise ValueError(
+                f"{fun_name}: argnums={argnums} is out of range for a function called with "
+                f"{n_args} positional argument(s). Pass argnums within range(0, {n_args}).")
+    return tuple(int(a) % n_args for a in nums)
+
+
+def _dtype_of(x):
+    return jnp.result_type(x)
+
+
+def _check_input_dtype(x, allow_int: bool, holomorphic: bool, fun_name: str) -> None:
+    dt = _dtype_of(x)
+    if holomorphic:
+        if not jnp.issubdtype(dt, jnp.complexfloating):
+            raise TypeError(f"{fun_name} with holomorphic=True requires inputs with complex dtype, "
+                            f"but got {dt.name}.")
+    if jnp.issubdtype(dt, jnp.inexact):
+        return
+    if not allow_int and (jnp.issubdtype(dt, jnp.integer) or jnp.issubdtype(dt, jnp.bool_)):
+        raise TypeError(
+            f"{fun_name} requires real- or complex-valued inputs (input dtype that is a sub-dtype "
+            f"of np.inexact), but got {dt.name}. If you want to use Boolean- or integer-valued "
+            "inputs, use vjp or set allow_int to True.")
+    if not jnp.issubdtype(dt, jnp.integer) and not jnp.issubdtype(dt, jnp.bool_):
+        raise TypeError(f"{fun_name} requires numerical-valued inputs, but got {dt.name}.")
+
+
+def _zero_cotangent(x):
+    dt = _dtype_of(x)
+    if jnp.issubdtype(dt, jnp.inexact):
+        return jnp.zeros(np.shape(x), dt)
+    return np.zeros(np.shape(x), jax.dtypes.float0)
+
+
+class _Traced:
+    """A traced function: its tape and how to map flat values back to pytrees."""
+
+    def __init__(self, fun: Callable, args: tuple, active_leaf: Callable[[int], bool], has_aux: bool,
+                 fun_name: str):
+        flat, in_tree = tree_util.tree_flatten(args)
+        _check_leaves(flat, fun_name)
+        self.in_tree = in_tree
+        self.flat = flat
+        trees: dict[str, Any] = {}
+
+        def flat_fun(*leaves):
+            out = fun(*tree_util.tree_unflatten(in_tree, leaves))
+            if has_aux:
+                if not (isinstance(out, (tuple, list)) and len(out) == 2):
+                    raise TypeError(
+                        f"{fun_name} with has_aux=True requires the function to return a pair "
+                        f"(output, aux), but it returned {type(out).__name__}"
+                        f"{' of length ' + str(len(out)) if isinstance(out, (tuple, list)) else ''}.")
+                out, aux = out
+            else:
+                aux = None
+            out_flat, trees["out"] = tree_util.tree_flatten(out)
+            aux_flat, trees["aux"] = tree_util.tree_flatten(aux)
+            trees["n_out"] = len(out_flat)
+            return out_flat + aux_flat
+
+        active = [active_leaf(i) for i in range(len(flat))]
+        self.tape: Tape = trace_flat(
+            flat_fun, flat, active,
+            diff_outputs=lambda n: [True] * trees["n_out"] + [False] * (n - trees["n_out"]),
+            in_tree=in_tree, out_tree_fn=lambda: trees["out"])
+        self.out_tree = trees["out"]
+        self.aux_tree = trees["aux"]
+        self.n_out = trees["n_out"]
+
+
+def _leaf_owners(args: tuple) -> list[int]:
+    owners = []
+    for i, a in enumerate(args):
+        owners += [i] * len(tree_util.tree_leaves(a))
+    return owners
+
+
+def vjp(fun: Callable, *primals: Any, has_aux: bool = False, policy: Any = None,
+        retain_residuals: bool = True):
+    """Like `jax.vjp`: returns ``(out, vjp_fn)`` or ``(out, vjp_fn, aux)``.
+
+    ``vjp_fn(ct)`` returns a tuple with one cotangent per primal. Residuals go
+    through ``policy`` (default: the enclosing `tg.residual_policy`, else
+    `tg.policies.save()`). With ``retain_residuals=False`` they are released
+    during the first backward, and a second call raises.
+    """
+    pol = policy if policy is not None else current_policy()
+    t = _Traced(fun, primals, lambda i: True, has_aux, "vjp")
+    flat_out, res = forward(t.tape, t.flat, pol)
+    out = tree_util.tree_unflatten(t.out_tree, flat_out[: t.n_out])
+    tape, flat_primals, in_tree, out_tree = t.tape, t.flat, t.in_tree, t.out_tree
+
+    def vjp_fn(ct):
+        ct_flat, ct_tree = tree_util.tree_flatten(ct)
+        if ct_tree != out_tree:
+            raise TypeError(
+                f"vjp_fn: the cotangent has tree structure {ct_tree}, but the function's output "
+                f"has {out_tree}. Pass a cotangent with the output's structure.")
+        for c, o in zip(ct_flat, flat_out):
+            if np.shape(c) != np.shape(o):
+                raise ValueError(
+                    f"vjp_fn: cotangent shape {np.shape(c)} does not match the output's shape "
+                    f"{np.shape(o)}.")
+        in_cts = backward(tape, res, list(ct_flat) + [None] * (len(flat_out) - t.n_out),
+                          retain=retain_residuals)
+        in_cts = [c if c is not None else _zero_cotangent(x) for c, x in zip(in_cts, flat_primals)]
+        return tuple(tree_util.tree_unflatten(in_tree, in_cts))
+
+    if has_aux:
+        aux = tree_util.tree_unflatten(t.aux_tree, flat_out[t.n_out:])
+        return out, vjp_fn, aux
+    return out, vjp_fn
+
+
+def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
+                   holomorphic: bool = False, allow_int: bool = False, *, policy: Any = None):
+    """Like `jax.value_and_grad`, on tapegrad's tape and rules."""
+    single = isinstance(argnums, int)
+
+    @functools.wraps(fun)
+    def value_and_grad_f(*args, **kwargs):
+        if kwargs:
+            f = functools.partial(fun, **kwargs)
+        else:
+            f = fun
+        nums = _argnums_tuple(argnums, len(args), "grad")
+        owners = _leaf_owners(args)
+        for i in nums:
+            for x in tree_util.tree_leaves(args[i]):
+                if _is_array_leaf(x):
+                    _check_input_dtype(x, allow_int, holomorphic, "grad")
+        pol = policy if policy is not None else current_policy()
+        t = _Traced(f, args, lambda i: owners[i] in nums, has_aux, "grad")
+        flat_out, res = forward(t.tape, t.flat, pol)
+        if t.n_out != 1 or np.shape(flat_out[0]) != ():
+            shape = np.shape(flat_out[0]) if t.n_out == 1 else f"a pytree of {t.n_out} arrays"
+            raise TypeError(
+                "Gradient only defined for scalar-output functions. Output had shape: "
+                f"{shape}. Reduce the output to a scalar (e.g. .sum()), or use tg.vjp.")
+        y = flat_out[0]
+        ydt = _dtype_of(y)
+        if not holomorphic and not jnp.issubdtype(ydt, jnp.floating):
+            raise TypeError(
+                "grad requires real-valued outputs (output dtype that is a sub-dtype of "
+                f"np.floating), but got {ydt.name}. For holomorphic differentiation, pass "
+                "holomorphic=True. For differentiating non-holomorphic functions involving "
+                "complex outputs, use tg.vjp directly.")
+        in_cts = backward(t.tape, res, [jnp.ones((), ydt)] + [None] * (len(flat_out) - 1),
+                          retain=False)
+        in_cts = [c if c is not None else _zero_cotangent(x) for c, x in zip(in_cts, t.flat)]
+        ct_args = tree_util.tree_unflatten(t.in_tree, in_cts)
+        grads = ct_args[nums[0]] if single else tuple(ct_args[i] for i in nums)
+        if has_aux:
+            aux = tree_util.tree_unflatten(t.aux_tree, flat_out[1:])
+            return (y, aux), grads
+        return y, grads
+
+    return value_and_grad_f
+
+
+def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
+         holomorphic: bool = False, allow_int: bool = False, *, policy: Any = None):
+    """Like `jax.grad`: the gradient of a scalar function, from tapegrad's tape.
+
+    ```python
+    g = tg.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w)))(w, x)
+    ```
+    """
+    vg = value_and_grad(fun, argnums, has_aux, holomorphic, allow_int, policy=policy)
+
+    @functools.wraps(fun)
+    def grad_f(*args, **kwargs):
+        if has_aux:
+            (_, aux), g = vg(*args, **kwargs)
+            return g, aux
+        return vg(*args, **kwargs)[1]
+
+    return grad_f
+
+
+def trace(fun: Callable, argnums: int | Sequence[int] | None = None):
+    """Like `jax.make_jaxpr`, but returns tapegrad's `Tape`.
+
+    Inputs in ``argnums`` (default: every float input) are treated as
+    differentiated, which decides what each record saves.
+    """
+
+    @functools.wraps(fun)
+    def trace_f(*args):
+        owners = _leaf_owners(args)
+        nums = None if argnums is None else _argnums_tuple(argnums, len(args), "trace")
+        return _Traced(fun, args, lambda i: nums is None or owners[i] in nums, False,
+                       "trace").tape
+
+    return trace_f

@@ -1,0 +1,126 @@
+"""The rule registry: primitive name -> `Rule`.
+
+A rule says, per differentiable input, which residuals its cotangent needs
+(``"x0"`` = input 0, ``"y0"`` = output 0, ``"a0"`` = derived value 0) and how
+to compute it. The tape's `Record.saves` is the union of the needs of the
+inputs that are actually differentiated, so ``x * w`` with only ``w``
+differentiated saves ``x`` alone.
+
+Rules are written with jax ops, so backward is itself traceable: that is what
+makes ``jax.jit(tg.grad(f))`` and ``tg.grad(tg.grad(f))`` work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+__all__ = ["Rule", "Res", "RULES", "NONDIFF", "defvjp", "deflinear", "defrule",
+           "defnondiff", "lookup"]
+
+Ref = tuple[str, int]
+
+
+def parse_ref(s: str) -> Ref:
+    kind = {"x": "in", "y": "out", "a": "aux"}[s[0]]
+    return (kind, int(s[1:]))
+
+
+class Res:
+    """What a rule sees in backward: saved values and every operand's shape/dtype.
+
+    ``r.x[i]`` / ``r.y[j]`` / ``r.aux[k]`` are the saved input / output / derived
+    values (``None`` where not saved); ``r.in_avals[i]`` and ``r.out_avals[j]``
+    always give ``.shape`` and ``.dtype``.
+    """
+
+    __slots__ = ("x", "y", "aux", "in_avals", "out_avals", "record")
+
+    def __init__(self, x, y, aux, in_avals, out_avals, record=None):
+        self.x, self.y, self.aux = x, y, aux
+        self.in_avals, self.out_avals = in_avals, out_avals
+        self.record = record
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """A reverse-mode rule.
+
+    saves(params, in_avals, out_avals, active) -> tuple of refs to keep.
+    vjp(params, res, cts, active) -> one cotangent (or None) per input;
+      ``cts`` has one entry per output, None where the output got no cotangent.
+    derive(record, ins) -> (outs, derived values): replaces the plain bind in
+      forward when the rule keeps values the primitive does not output.
+    aux_avals(params, in_avals, out_avals, active) -> [(shape, dtype)] of derived values.
+    """
+
+    name: str
+    saves: Callable[..., tuple[Ref, ...]]
+    vjp: Callable[..., Sequence[Any]]
+    derive: Callable[..., Sequence[Any]] | None = None
+    aux_avals: Callable[..., Sequence[tuple]] | None = None
+    kind: str = "rule"
+
+
+RULES: dict[str, Rule] = {}
+# Primitives whose outputs carry no cotangent (their derivative is zero or
+# undefined): comparisons, rounding, integer ops, stop_gradient, ...
+NONDIFF: set[str] = set()
+
+
+def lookup(name: str) -> Rule | None:
+    return RULES.get(name)
+
+
+def defrule(rule: Rule) -> Rule:
+    RULES[rule.name] = rule
+    return rule
+
+
+def defnondiff(*names: str) -> None:
+    NONDIFF.update(names)
+
+
+def defvjp(name: str, *per_input: tuple[str, Callable] | None, single_out: bool = True,
+           derive=None, aux_avals=None) -> Rule:
+    """Register per-input cotangent functions, HIPS-autograd style.
+
+    Each entry is ``(needs, fn)``: ``needs`` is a space-separated string of refs
+    (``"x1"``, ``"y0"``, ``""`` for none), ``fn(g, r, p)`` returns the input's
+    cotangent from the output cotangent ``g`` (a tuple for multi-output
+    primitives), the `Res` view ``r`` and the params ``p``. ``None`` marks an
+    input that never gets a cotangent (e.g. an integer index).
+    """
+    needs = [tuple(parse_ref(s) for s in entry[0].split()) if entry else () for entry in per_input]
+    fns = [entry[1] if entry else None for entry in per_input]
+
+    def saves(p, in_avals, out_avals, active):
+        refs: list[Ref] = []
+        for i, a in enumerate(active):
+            if a and i < len(needs):
+                for ref in needs[i]:
+                    if ref not in refs:
+                        refs.append(ref)
+        return tuple(refs)
+
+    def vjp(p, r, cts, active):
+        g = cts[0] if single_out else cts
+        out = []
+        for i, a in enumerate(active):
+            fn = fns[i] if i < len(fns) else None
+            out.append(fn(g, r, p) if (a and fn is not None) else None)
+        return out
+
+    return defrule(Rule(name, saves, vjp, derive, aux_avals))
+
+
+def deflinear(name: str, *per_input: Callable | None) -> Rule:
+    """A rule for a primitive that is linear in each input: saves nothing.
+
+    Each entry is ``fn(g, r, p)``; ``r`` carries only avals.
+    """
+    return defvjp(name, *[("", fn) if fn is not None else None for fn in per_input])
+
+
+def zero_saves(*_):
+    return ()

@@ -1,0 +1,55 @@
+"""dot_general: each operand's cotangent is another dot_general with the
+cotangent, so each side saves only the *other* operand."""
+
+from __future__ import annotations
+
+import numpy as np
+from jax import lax
+
+from tapegrad.rules._registry import defvjp
+
+
+def _remaining(n, *taken):
+    taken = set(int(d) for t in taken for d in t)
+    return [i for i in range(n) if i not in taken]
+
+
+def _ranges_like(*xs):
+    start = 0
+    for x in xs:
+        x_len = len(x)
+        yield list(range(start, start + x_len))
+        start += x_len
+
+
+def _transpose_lhs(g, y, x_ndim, y_ndim, dimension_numbers, precision, pet, swap_ans=False):
+    (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
+    x_kept = _remaining(x_ndim, x_contract, x_batch)
+    y_kept = _remaining(y_ndim, y_contract, y_batch)
+    if swap_ans:
+        ans_batch, ans_y, _ = _ranges_like(x_batch, y_kept, x_kept)
+    else:
+        ans_batch, _, ans_y = _ranges_like(x_batch, x_kept, y_kept)
+    dims = ((ans_y, y_kept), (ans_batch, list(y_batch)))
+    x_contract_sorted_by_y = list(np.take(x_contract, np.argsort(y_contract)))
+    unsorted_axes = list(x_batch) + x_kept + x_contract_sorted_by_y
+    out_axes = np.argsort(unsorted_axes)
+    out = lax.dot_general(g, y, dims, precision=precision, preferred_element_type=pet)
+    return lax.transpose(out, tuple(int(a) for a in out_axes))
+
+
+def _dot_lhs(g, r, p):
+    dn = p["dimension_numbers"]
+    x, y = r.in_avals
+    return _transpose_lhs(g, r.x[1], len(x.shape), len(y.shape), dn, p["precision"],
+                          p["preferred_element_type"])
+
+
+def _dot_rhs(g, r, p):
+    (xc, yc), (xb, yb) = p["dimension_numbers"]
+    x, y = r.in_avals
+    return _transpose_lhs(g, r.x[0], len(y.shape), len(x.shape), ((yc, xc), (yb, xb)),
+                          p["precision"], p["preferred_element_type"], swap_ans=True)
+
+
+defvjp("dot_general", ("x1", _dot_lhs), ("x0", _dot_rhs))

@@ -1,0 +1,29 @@
+"""Shape and layout primitives: all linear, none saves anything."""
+
+from __future__ import annotations
+
+import numpy as np
+from jax import lax
+
+from tapegrad.rules._registry import deflinear
+
+
+def _broadcast_in_dim(g, r, p):
+    in_shape = r.in_avals[0].shape
+    dims = p["broadcast_dimensions"]
+    # Sum over the new axes and over the size-1 axes that were stretched.
+    new_axes = tuple(i for i in range(g.ndim) if i not in dims)
+    stretched = tuple(d for i, d in enumerate(dims) if in_shape[i] == 1 and g.shape[d] != 1)
+    summed = lax.reduce_sum(g, tuple(sorted(new_axes + stretched))) if (new_axes or stretched) else g
+    return summed.reshape(in_shape)
+
+
+deflinear("broadcast_in_dim", _broadcast_in_dim, *([None] * 8))  # dynamic-shape operands: none
+deflinear("reshape", lambda g, r, p: g.reshape(r.in_avals[0].shape))
+deflinear("squeeze", lambda g, r, p: g.reshape(r.in_avals[0].shape))
+deflinear("expand_dims", lambda g, r, p: g.reshape(r.in_avals[0].shape))
+deflinear("transpose", lambda g, r, p: lax.transpose(g, tuple(int(i) for i in np.argsort(p["permutation"]))))
+deflinear("reduce_sum", lambda g, r, p: lax.broadcast_in_dim(
+    g, r.in_avals[0].shape,
+    tuple(i for i in range(len(r.in_avals[0].shape)) if i not in p["axes"])))
+deflinear("name", lambda g, r, p: g)
