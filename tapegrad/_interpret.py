@@ -105,15 +105,26 @@ def forward(tape: Tape, args: Sequence[Any], policy: Any = SAVE) -> tuple[list, 
                 if plain:
                     store[key] = value
                 else:
-                    info = ResidualInfo(rec, s, s.shape, s.dtype)
-                    res.infos[key] = info
-                    store[key] = policy.pack(value, info)
+                    store[key] = _pack(res, rec, key, s, value)
             res.keys[rec.index] = tuple(keys)
         for i in rec.inputs:
             if isinstance(i, Var) and last_use.get(i.id) == rec.index:
                 env.pop(i.id, None)
     outs = [env[o.id] if isinstance(o, Var) else o.value for o in tape.outputs]
     return outs, res
+
+
+def _pack(res: Residuals, rec: Record, key, s, value):
+    info = ResidualInfo(rec, s, s.shape, s.dtype)
+    res.infos[key] = info
+    try:
+        return res.policy.pack(value, info)
+    except Exception as e:
+        e.add_note(f"tapegrad: raised by {res.policy!r}.pack for residual {info}")
+        if isinstance(value, jax.core.Tracer):
+            e.add_note("tapegrad: under jax.jit, pack/unpack run once at trace time on tracers; "
+                       "a pack that needs concrete data (np.asarray, .item()) cannot run there.")
+        raise
 
 
 def _unbroadcast(ct, shape):
@@ -143,24 +154,58 @@ def _fit(ct, var, rec: Record, i: int):
 def _unpack(res: Residuals, rec: Record, key, s):
     packed = res.store[key]
     if res.policy is SAVE:
-        return packed
-    info = res.infos[key]
-    value = res.policy.unpack(packed, info)
-    if tuple(value.shape) != s.shape or np.dtype(value.dtype) != s.dtype:
+        value = packed
+    else:
+        info = res.infos[key]
+        try:
+            value = res.policy.unpack(packed, info)
+        except Exception as e:
+            e.add_note(f"tapegrad: raised by {res.policy!r}.unpack for residual {info}")
+            raise
+        if tuple(getattr(value, "shape", ())) != s.shape or np.dtype(
+                getattr(value, "dtype", None)) != s.dtype:
+            raise ResidualError(
+                f"the residual policy's unpack returned "
+                f"{getattr(value, 'dtype', type(value).__name__)}{list(getattr(value, 'shape', []))}"
+                f" for {s} of {where(rec)}, which saved {np.dtype(s.dtype)}{list(s.shape)}. "
+                "unpack must return an array of the shape and dtype that pack received.")
+    if (isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer)
+            and value.is_deleted()):
         raise ResidualError(
-            f"the residual policy's unpack returned {value.dtype}{list(value.shape)} for "
-            f"{s} of {where(rec)}, which saved {np.dtype(s.dtype)}{list(s.shape)}. "
-            "unpack must return an array of the shape and dtype that pack received.")
+            f"residual {s} of {where(rec)} was deleted (or donated to a jitted call) after it "
+            "was saved for backward. Keep the array alive until vjp_fn has run, or pass a "
+            "copy (e.g. jnp.copy(x)) to the call that donates or deletes it.")
     return value
 
 
+def _saved_values(rec: Record, saves, keys, get) -> tuple[list, list, list]:
+    x = [i.value if type(i) is Lit else None for i in rec.inputs]
+    y: list = [None] * len(rec.outputs)
+    aux: list = []
+    for s, key in zip(saves, keys):
+        v = get(rec, key, s)
+        if s.kind == "in":
+            x[s.index] = v
+        elif s.kind == "out":
+            y[s.index] = v
+        else:
+            aux.extend([None] * (s.index + 1 - len(aux)))
+            aux[s.index] = v
+    return x, y, aux
+
+
 def backward(tape: Tape, res: Residuals, out_cts: Sequence[Any], retain: bool = True) -> list:
-    """Cotangents of the tape's inputs (None where an input gets none)."""
+    """Cotangents of the tape's inputs (None where an input gets none).
+
+    Each residual is unpacked once per backward, at its first use, and its
+    unpacked value is dropped after its last use. With ``retain=False`` the
+    packed residuals are released as well, and a second backward raises.
+    """
     if res.released:
         raise ResidualError(
             "Trying to run backward through the tape a second time, but its residuals "
             "were released after the first backward. Use tg.vjp(..., "
-            "retain_residuals=True) to call vjp_fn more than once.")
+            "retain_residuals=True) (the default) to call vjp_fn more than once.")
     cts: dict[int, Any] = {}
 
     def accum(var, ct):
@@ -171,38 +216,48 @@ def backward(tape: Tape, res: Residuals, out_cts: Sequence[Any], retain: bool = 
         if ct is not None and isinstance(o, Var):
             accum(o, ct)
 
-    store, refs = res.store, res.refs
-    for rec in reversed(tape.records):
-        if rec.rule == "none":
-            continue
-        gs = [cts.pop(o.id, None) for o in rec.outputs]
+    store = res.store
+    plain = res.policy is SAVE
+    remaining = dict(res.refs)  # uses left in this backward, per residual
+    unpacked: dict[Any, Any] = {}
+
+    def get(rec, key, s):
+        if plain:
+            if key not in store:
+                raise ResidualError(f"residual {s} of {where(rec)} is missing")
+            return _unpack(res, rec, key, s)
+        v = unpacked.get(key)
+        if v is None:
+            v = unpacked[key] = _unpack(res, rec, key, s)
+        return v
+
+    order = [rec for rec in reversed(tape.records) if rec.rule != "none"]
+    prefetch = 0 if plain else int(getattr(res.policy, "prefetch", 0) or 0)
+    for n, rec in enumerate(order):
         keys = res.keys.get(rec.index, ())
+        if prefetch:
+            # Start bringing the next records' residuals back now: jax dispatch is
+            # asynchronous, so the copies overlap this record's compute.
+            for nxt in order[n + 1:n + 1 + prefetch]:
+                for s, key in zip(nxt.saves, res.keys.get(nxt.index, ())):
+                    if key not in unpacked:
+                        unpacked[key] = _unpack(res, nxt, key, s)
+        gs = [cts.pop(o.id, None) for o in rec.outputs]
         if any(g is not None for g in gs):
-            x = [i.value if type(i) is Lit else None for i in rec.inputs]
-            y = [None] * len(rec.outputs)
-            aux: list = []
-            for s, key in zip(rec.saves, keys):
-                if key not in store:
-                    raise ResidualError(f"residual {s} of {where(rec)} is missing")
-                v = _unpack(res, rec, key, s)
-                if s.kind == "in":
-                    x[s.index] = v
-                elif s.kind == "out":
-                    y[s.index] = v
-                else:
-                    aux.extend([None] * (s.index + 1 - len(aux)))
-                    aux[s.index] = v
+            x, y, aux = _saved_values(rec, rec.saves, keys, get)
             rule = lookup(rec.primitive) or FALLBACK
             r = Res(x, y, aux, rec.inputs, rec.outputs, rec)
             in_cts = rule.vjp(rec.params, r, gs, rec.active)
+            del x, y, aux, r
             for i, (inp, a, ct) in enumerate(zip(rec.inputs, rec.active, in_cts)):
                 if a and ct is not None:
                     accum(inp, _fit(ct, inp, rec, i))
-        if not retain:
-            for key in keys:
-                n = refs[key] - 1
-                refs[key] = n
-                if n == 0:
+        for key in keys:
+            left = remaining[key] - 1
+            remaining[key] = left
+            if left == 0:
+                unpacked.pop(key, None)
+                if not retain:
                     del store[key]
     if not retain:
         res.released = True

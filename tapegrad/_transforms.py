@@ -18,7 +18,7 @@ from jax import tree_util
 from tapegrad._interpret import backward, forward
 from tapegrad._tape import Tape
 from tapegrad._trace import is_differentiable_dtype, trace_flat
-from tapegrad.policies._base import current_policy
+from tapegrad.policies._base import resolve_policy
 
 __all__ = ["grad", "value_and_grad", "vjp", "trace"]
 
@@ -132,7 +132,7 @@ def vjp(fun: Callable, *primals: Any, has_aux: bool = False, policy: Any = None,
     `tg.policies.save()`). With ``retain_residuals=False`` they are released
     during the first backward, and a second call raises.
     """
-    pol = policy if policy is not None else current_policy()
+    pol = resolve_policy(policy)
     t = _Traced(fun, primals, lambda i: True, has_aux, "vjp")
     flat_out, res = forward(t.tape, t.flat, pol)
     out = tree_util.tree_unflatten(t.out_tree, flat_out[: t.n_out])
@@ -177,7 +177,7 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
             for x in tree_util.tree_leaves(args[i]):
                 if _is_array_leaf(x):
                     _check_input_dtype(x, allow_int, holomorphic, "grad")
-        pol = policy if policy is not None else current_policy()
+        pol = resolve_policy(policy)
         t = _Traced(f, args, lambda i: owners[i] in nums, has_aux, "grad")
         flat_out, res = forward(t.tape, t.flat, pol)
         if t.n_out != 1 or np.shape(flat_out[0]) != ():
@@ -195,7 +195,8 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
                 "complex outputs, use tg.vjp directly.")
         in_cts = backward(t.tape, res, [jnp.ones((), ydt)] + [None] * (len(flat_out) - 1),
                           retain=False)
-        in_cts = [c if c is not None else _zero_cotangent(x) for c, x in zip(in_cts, t.flat)]
+        in_cts = [c if c is not None else (_zero_cotangent(x) if owners[i] in nums else None)
+                  for i, (c, x) in enumerate(zip(in_cts, t.flat))]
         ct_args = tree_util.tree_unflatten(t.in_tree, in_cts)
         grads = ct_args[nums[0]] if single else tuple(ct_args[i] for i in nums)
         if has_aux:

@@ -1,6 +1,15 @@
-"""Residual policies: what happens to each value a record keeps for backward."""
+"""Residual policies: what happens to each value a record keeps for backward.
+
+A policy is any object with ``pack(value, info)`` and ``unpack(packed, info)``.
+"""
 
 from tapegrad.policies._base import (ResidualInfo, ResidualPolicy, Save, current_policy,
-                                     residual_policy, save)
+                                     disable_saved_tensors_hooks, residual_policy, save,
+                                     saved_tensors_hooks)
+from tapegrad.policies.compress import Compress, Int8, compress
+from tapegrad.policies.hooks import Hooks, Route, hooks, route
+from tapegrad.policies.offload import Offload, offload
 
-__all__ = ["ResidualInfo", "ResidualPolicy", "Save", "current_policy", "residual_policy", "save"]
+__all__ = ["Compress", "Hooks", "Int8", "Offload", "ResidualInfo", "ResidualPolicy", "Route",
+           "Save", "compress", "current_policy", "disable_saved_tensors_hooks", "hooks",
+           "offload", "residual_policy", "route", "save", "saved_tensors_hooks"]

@@ -4,6 +4,10 @@ Every residual a record saves goes through ``policy.pack(value, info)`` in
 forward and ``policy.unpack(packed, info)`` in backward. The default,
 `save()`, keeps the array as it is, and the interpreter skips the calls
 entirely for it, so the default costs nothing.
+
+The active policy lives in a `contextvars.ContextVar`: scopes are per thread
+and per async task, and leaving a scope restores the previous policy even
+when the body raises.
 """
 
 from __future__ import annotations
@@ -11,17 +15,17 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import dataclass
-from typing import Any, Iterator, Protocol, runtime_checkable
+from typing import Any, Callable, Iterator, Protocol, runtime_checkable
 
 import numpy as np
 
 __all__ = ["ResidualPolicy", "ResidualInfo", "Save", "save", "residual_policy",
-           "current_policy"]
+           "current_policy", "saved_tensors_hooks", "disable_saved_tensors_hooks"]
 
 
 @dataclass(frozen=True, slots=True)
 class ResidualInfo:
-    """What a policy knows about one residual."""
+    """What a policy knows about one residual: its record, which value, shape, dtype, bytes."""
 
     record: Any  # tapegrad Record
     saved: Any  # tapegrad Saved: which input/output/derived value
@@ -40,9 +44,20 @@ class ResidualInfo:
     def source(self) -> str:
         return self.record.source
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Names given with `tg.name` / `checkpoint_name` to this value (if any)."""
+        return tuple(getattr(self.record, "names", ()))
+
+    def __str__(self) -> str:
+        return (f"{self.saved} of '{self.record.primitive}' (record #{self.record.index}, "
+                f"{np.dtype(self.dtype).name}{list(self.shape)}) at {self.record.source}")
+
 
 @runtime_checkable
 class ResidualPolicy(Protocol):
+    """``pack(value, info) -> anything`` in forward; ``unpack(packed, info) -> array`` in backward."""
+
     def pack(self, value: Any, info: ResidualInfo) -> Any: ...
 
     def unpack(self, packed: Any, info: ResidualInfo) -> Any: ...
@@ -70,18 +85,63 @@ def save() -> Save:
 
 
 _POLICY: contextvars.ContextVar[Any] = contextvars.ContextVar("tapegrad_policy", default=None)
+_DISABLED: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "tapegrad_hooks_disabled", default=None)
 
 
 def current_policy() -> Any:
+    """The policy of the innermost enclosing `residual_policy` / `saved_tensors_hooks`."""
     p = _POLICY.get()
     return SAVE if p is None else p
 
 
+def resolve_policy(explicit: Any) -> Any:
+    """An explicit ``policy=`` wins over the enclosing context."""
+    return explicit if explicit is not None else current_policy()
+
+
+def _check_not_disabled() -> None:
+    msg = _DISABLED.get()
+    if msg is not None:
+        raise RuntimeError(msg)
+
+
 @contextlib.contextmanager
 def residual_policy(policy: Any) -> Iterator[Any]:
-    """Use ``policy`` for every residual saved inside the ``with`` block."""
+    """Use ``policy`` for every residual saved inside the ``with`` block.
+
+    ```python
+    with tg.residual_policy(tg.policies.compress(jnp.bfloat16)):
+        out, vjp_fn = tg.vjp(f, x)
+    ```
+    Nesting: the inner scope wins. `vjp_fn` keeps the policy that packed its
+    residuals, so it unpacks correctly after the scope has closed.
+    """
+    if policy is not SAVE:
+        _check_not_disabled()
     token = _POLICY.set(policy)
     try:
         yield policy
     finally:
         _POLICY.reset(token)
+
+
+def saved_tensors_hooks(pack_hook: Callable[[Any], Any], unpack_hook: Callable[[Any], Any]):
+    """PyTorch's ``torch.autograd.graph.saved_tensors_hooks``: ``pack_hook(array) -> Any``,
+    ``unpack_hook(Any) -> array``, applied to every residual saved in the scope.
+
+    Under `jax.jit` the hooks run once, at trace time, on tracers.
+    """
+    from tapegrad.policies.hooks import hooks
+
+    return residual_policy(hooks(pack_hook, unpack_hook))
+
+
+@contextlib.contextmanager
+def disable_saved_tensors_hooks(error_message: str) -> Iterator[None]:
+    """Inside this scope, registering hooks or a residual policy raises ``RuntimeError(error_message)``."""
+    token = _DISABLED.set(error_message)
+    try:
+        yield
+    finally:
+        _DISABLED.reset(token)

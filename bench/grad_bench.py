@@ -1,0 +1,93 @@
+"""tapegrad vs jax: eager time, jit time, residual bytes — in one run.
+
+    python bench/grad_bench.py            # all three models
+    python bench/grad_bench.py --quick    # fewer repetitions
+
+Residual bytes are measured from live arrays (``jax.live_arrays()``): the bytes
+that appear when ``vjp`` returns and stay alive while ``vjp_fn`` is held,
+minus the output. Inputs already alive are not counted, for either library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+import tapegrad as tg
+
+from _models import mlp_loss, mlp_params, split_static, transformer_loss, transformer_params
+
+
+def timeit(fn, reps: int) -> float:
+    """Median wall time in ms over ``reps`` calls (after 3 warm-up calls)."""
+    for _ in range(3):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def live_bytes() -> int:
+    return sum(a.nbytes for a in jax.live_arrays())
+
+
+def held_bytes(vjp, f, *args) -> int:
+    gc.collect()
+    before = live_bytes()
+    out, vjp_fn = vjp(f, *args)
+    jax.block_until_ready(out)
+    gc.collect()
+    held = live_bytes() - before - out.nbytes
+    del out, vjp_fn
+    return held
+
+
+def models():
+    key = jax.random.key(0)
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    yield ("mlp8 (256 wide, batch 64)", mlp_loss, mlp_params(k1, 8, 256),
+           jax.random.normal(k2, (64, 256)))
+    yield ("mlp32 (64 wide, batch 64)", mlp_loss, mlp_params(k3, 32, 64),
+           jax.random.normal(k4, (64, 64)))
+    arrays, heads = split_static(transformer_params(k1))
+    loss = lambda p, x: transformer_loss({**p, "heads": heads}, x)  # noqa: E731
+    yield ("transformer block (d=128, 4 heads, seq 64, batch 8)", loss, arrays,
+           jax.random.normal(k2, (8, 64, 128)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    reps_eager, reps_jit = (5, 20) if a.quick else (30, 200)
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {platform.processor() or platform.machine()}")
+    print(f"{'model':54} {'eager tg/jax':>22} {'jit tg/jax':>22} {'residual bytes tg/jax':>32}")
+    for name, f, params, x in models():
+        e_tg = timeit(lambda: tg.grad(f)(params, x), reps_eager)
+        e_jax = timeit(lambda: jax.grad(f)(params, x), reps_eager)
+        jt, jj = jax.jit(tg.grad(f)), jax.jit(jax.grad(f))
+        g_tg, g_jax = jt(params, x), jj(params, x)
+        err = max(float(jnp.max(jnp.abs(u - v))) for u, v in
+                  zip(jax.tree.leaves(g_tg), jax.tree.leaves(g_jax)))
+        assert err < 1e-4, f"{name}: tapegrad and jax disagree by {err}"
+        j_tg = timeit(lambda: jt(params, x), reps_jit)
+        j_jax = timeit(lambda: jj(params, x), reps_jit)
+        b_tg = held_bytes(tg.vjp, f, params, x)
+        b_jax = held_bytes(jax.vjp, f, params, x)
+        print(f"{name:54} {e_tg:7.2f}/{e_jax:7.2f} ms {e_tg / e_jax:4.2f}x "
+              f"{j_tg:7.3f}/{j_jax:7.3f} ms {j_tg / j_jax:4.2f}x "
+              f"{b_tg:>11,}/{b_jax:>11,} B {b_tg / b_jax:4.2f}x")
+
+
+if __name__ == "__main__":
+    main()

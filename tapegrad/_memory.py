@@ -1,0 +1,209 @@
+"""`tg.memory_report`: where every residual lives, and how live residual bytes
+rise through forward and fall through backward.
+
+The report runs the forward interpreter for real (so the packed residuals are
+the arrays the policy produced: their bytes and memory kinds are read off
+them) and then replays backward's release order from the tape, counting the
+device copies that unpacking brings back while a record needs them.
+"""
+
+from __future__ import annotations
+
+import functools
+import html
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax import tree_util
+
+from tapegrad._interpret import forward
+from tapegrad._tape import Tape
+from tapegrad.policies._base import SAVE, resolve_policy
+
+__all__ = ["MemoryReport", "RecordMemory", "memory_report"]
+
+
+@dataclass(frozen=True, slots=True)
+class RecordMemory:
+    """What one record keeps: bytes by where they live (distinct values, first saver)."""
+
+    index: int
+    primitive: str
+    source: str
+    saves: str
+    device_bytes: int
+    host_bytes: int
+    compressed_bytes: int  # bytes stored in a dtype other than the residual's own
+    original_bytes: int  # bytes the residuals would take unpacked
+
+    @property
+    def bytes(self) -> int:
+        return self.device_bytes + self.host_bytes
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Residual memory of one forward/backward under a policy.
+
+    * ``residual_bytes``: total packed residual bytes held at the end of forward;
+    * ``device_bytes`` / ``host_bytes``: the same, split by memory kind;
+    * ``input_bytes``: the part of it that *is* the function's own inputs (kept
+      as they are, so alive anyway);
+    * ``peak_bytes``: peak of live residual bytes (packed + unpacked device copies)
+      over forward and backward;
+    * ``timeline``: ``(step, live bytes)`` after each record, forward then backward.
+    """
+
+    policy: Any
+    records: tuple[RecordMemory, ...]
+    residual_bytes: int
+    device_bytes: int
+    host_bytes: int
+    peak_bytes: int
+    input_bytes: int
+    timeline: tuple[tuple[str, int], ...] = field(repr=False)
+    tape: Tape = field(repr=False, default=None)
+
+    def __str__(self) -> str:
+        lines = [f"memory_report(policy={self.policy!r}): {self.residual_bytes:,} residual bytes "
+                 f"({self.device_bytes:,} device, {self.host_bytes:,} host; "
+                 f"{self.input_bytes:,} are the inputs themselves), peak {self.peak_bytes:,}"]
+        lines.append(f"{'#':>4} {'primitive':<18} {'saves':<12} {'device':>12} {'host':>12} "
+                     f"{'compressed':>11}  source")
+        for r in self.records:
+            src = r.source.rsplit("/", 1)[-1]
+            lines.append(f"{r.index:>4} {r.primitive[:18]:<18} {r.saves[:12]:<12} "
+                         f"{r.device_bytes:>12,} {r.host_bytes:>12,} {r.compressed_bytes:>11,}  "
+                         f"{src[:24]}")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        rows = "".join(
+            f"<tr><td>{r.index}</td><td><b>{html.escape(r.primitive)}</b></td>"
+            f"<td>{html.escape(r.saves)}</td><td style='text-align:right'>{r.device_bytes:,}</td>"
+            f"<td style='text-align:right'>{r.host_bytes:,}</td>"
+            f"<td style='text-align:right'>{r.compressed_bytes:,}</td>"
+            f"<td><code>{html.escape(r.source.rsplit('/', 1)[-1])}</code></td></tr>"
+            for r in self.records)
+        return (f"<table class='tapegrad-memory'><caption>policy {html.escape(repr(self.policy))}: "
+                f"{self.residual_bytes:,} B residuals ({self.device_bytes:,} device, "
+                f"{self.host_bytes:,} host), peak {self.peak_bytes:,} B</caption>"
+                "<tr><th>#</th><th>primitive</th><th>saves</th><th>device B</th><th>host B</th>"
+                f"<th>compressed B</th><th>source</th></tr>{rows}</table>")
+
+    def plot(self, ax=None):
+        """Live residual bytes over the forward and backward timeline (needs matplotlib)."""
+        try:
+            import matplotlib.pyplot as plt
+        except ImportError as e:  # pragma: no cover - optional dependency
+            raise ImportError("MemoryReport.plot needs matplotlib: pip install matplotlib") from e
+        if ax is None:
+            _, ax = plt.subplots(figsize=(8, 3))
+        ys = [b for _, b in self.timeline]
+        n_fwd = sum(1 for s, _ in self.timeline if s.startswith("fwd"))
+        ax.plot(range(len(ys)), ys, drawstyle="steps-post", label=repr(self.policy))
+        ax.axvline(n_fwd - 0.5, color="gray", lw=0.5, ls="--")
+        ax.set_xlabel("record (forward, then backward)")
+        ax.set_ylabel("live residual bytes")
+        ax.legend()
+        return ax
+
+
+def _leaf_bytes(packed) -> tuple[int, int, list]:
+    """(device bytes, host bytes, dtypes) of the arrays inside a packed residual."""
+    dev = host = 0
+    dtypes = []
+    for leaf in tree_util.tree_leaves(packed):
+        if not hasattr(leaf, "nbytes") or not hasattr(leaf, "dtype"):
+            continue
+        kind = getattr(getattr(leaf, "sharding", None), "memory_kind", None) or "device"
+        if "host" in kind:
+            host += leaf.nbytes
+        else:
+            dev += leaf.nbytes
+        dtypes.append(np.dtype(leaf.dtype))
+    return dev, host, dtypes
+
+
+def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> MemoryReport:
+    plain = policy is SAVE
+    const_ids = {v.id for v, _ in tape.consts}
+    sizes: dict[Any, tuple[int, int]] = {}
+    rows = []
+    owner: dict[Any, int] = {}
+    for rec in tape.records:
+        keys = res.keys.get(rec.index, ())
+        dev = host = comp = orig = 0
+        for s, key in zip(rec.saves, keys):
+            if key in owner or key in const_ids:
+                continue
+            owner[key] = rec.index
+            d, h, dts = _leaf_bytes(res.store[key])
+            sizes[key] = (d, h)
+            dev, host, orig = dev + d, host + h, orig + s.nbytes
+            if any(dt != s.dtype for dt in dts):
+                comp += d + h
+        if rec.saves:
+            rows.append(RecordMemory(rec.index, rec.primitive, rec.source,
+                                     ",".join(map(str, rec.saves)), dev, host, comp, orig))
+
+    timeline = []
+    live = 0
+    for rec in tape.records:
+        for key in res.keys.get(rec.index, ()):
+            if owner.get(key) == rec.index:
+                live += sum(sizes[key])
+        timeline.append((f"fwd {rec.index}", live))
+    residual = live
+    remaining = dict(res.refs)
+    unpacked: dict[Any, int] = {}
+    peak = live
+    for rec in reversed(tape.records):
+        if rec.rule == "none":
+            continue
+        keys = res.keys.get(rec.index, ())
+        for s, key in zip(rec.saves, keys):
+            if not plain and key not in unpacked and key in sizes:
+                unpacked[key] = s.nbytes  # the device copy unpack brings back
+                live += s.nbytes
+        peak = max(peak, live)
+        for key in keys:
+            remaining[key] -= 1
+            if remaining[key] == 0 and key in sizes:
+                live -= sum(sizes[key]) + unpacked.pop(key, 0)
+        timeline.append((f"bwd {rec.index}", live))
+    dev_total = sum(d for d, _ in sizes.values())
+    host_total = sum(h for _, h in sizes.values())
+    arg_ids = {id(a) for a in args}
+    input_total = sum(sum(sizes[k]) for k in sizes
+                      if any(id(leaf) in arg_ids for leaf in tree_util.tree_leaves(res.store[k])))
+    return MemoryReport(policy, tuple(rows), residual, dev_total, host_total, peak, input_total,
+                        tuple(timeline), tape)
+
+
+def memory_report(fun: Callable, argnums: int | Sequence[int] = 0, *, policy: Any = None):
+    """Measure where ``fun``'s residuals live under ``policy``.
+
+    ```python
+    rep = tg.memory_report(loss, policy=tg.policies.offload())(params, x)
+    rep.device_bytes, rep.host_bytes, rep.peak_bytes
+    ```
+    Runs eagerly (the point is to look at real arrays).
+    """
+    from tapegrad._transforms import _argnums_tuple, _leaf_owners, _Traced
+
+    @functools.wraps(fun)
+    def report_f(*args):
+        pol = resolve_policy(policy)
+        nums = _argnums_tuple(argnums, len(args), "memory_report")
+        owners = _leaf_owners(args)
+        t = _Traced(fun, args, lambda i: owners[i] in nums, False, "memory_report")
+        _, res = forward(t.tape, t.flat, pol)
+        jax.block_until_ready(list(res.store.values()))
+        return report_from_run(t.tape, res, pol, t.flat)
+
+    return report_f

@@ -1,0 +1,56 @@
+"""Offload residuals to host memory, like PyTorch's ``save_on_cpu(pin_memory=True)``.
+
+Uses jax memory kinds, so it works eagerly (the array really moves: its
+``sharding.memory_kind`` says so) and under `jax.jit` (the program carries
+``device_put`` to the host space; its effect on memory shows on accelerators).
+"""
+
+from __future__ import annotations
+
+import jax
+
+__all__ = ["Offload", "offload"]
+
+_SPACES = {"pinned_host": "Host", "unpinned_host": "Host", "device": "Device"}
+
+
+def _move(x, memory_kind: str):
+    if isinstance(x, jax.core.Tracer):
+        # Under a trace there is no concrete sharding to re-target; jax's memory
+        # spaces say "host" / "device" and keep the value's sharding.
+        return jax.device_put(x, getattr(jax.memory.Space, _SPACES[memory_kind]))
+    return jax.device_put(x, x.sharding.with_memory_kind(memory_kind))
+
+
+class Offload:
+    """Move residuals to ``memory_kind`` in forward and back to the device in backward."""
+
+    prefetch = 1  # the interpreter starts bringing the next record's residuals back early
+
+    def __init__(self, memory_kind: str = "pinned_host", min_bytes: int = 0):
+        if memory_kind not in ("pinned_host", "unpinned_host"):
+            raise ValueError(f"offload: memory_kind must be 'pinned_host' or 'unpinned_host', "
+                             f"got {memory_kind!r}.")
+        self.memory_kind, self.min_bytes = memory_kind, min_bytes
+
+    def pack(self, value, info):
+        if info.nbytes < self.min_bytes:
+            return value
+        return _move(value, self.memory_kind)
+
+    def unpack(self, packed, info):
+        if info.nbytes < self.min_bytes:
+            return packed
+        return _move(packed, "device")
+
+    def __repr__(self) -> str:
+        return f"offload({self.memory_kind!r})"
+
+
+def offload(memory_kind: str = "pinned_host", min_bytes: int = 0) -> Offload:
+    """Keep residuals in host memory between forward and backward.
+
+    Residuals smaller than ``min_bytes`` stay on device (copying tiny arrays
+    costs more than it saves).
+    """
+    return Offload(memory_kind, min_bytes)
