@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax import lax
 
-from tapegrad._tape import Lit, Record, Tape, Var
+from tapegrad._tape import Lit, Record, Saved, Segment, Tape, Var, as_dtype
 from tapegrad.errors import ResidualError, where
 from tapegrad.policies._base import SAVE, ResidualInfo
 from tapegrad.rules import FALLBACK, Res, lookup
@@ -47,7 +47,7 @@ class Residuals:
 
 def _key(rec: Record, kind: str, idx: int):
     if kind == "aux":
-        return ("aux", rec.index, idx)
+        return ("aux", rec.index, idx)  # the same key as Tape.residual_keys
     return (rec.inputs[idx] if kind == "in" else rec.outputs[idx]).id
 
 
@@ -56,8 +56,39 @@ def _bind(rec: Record, ins: list) -> list:
     return list(out) if rec.prim.multiple_results else [out]
 
 
-def forward(tape: Tape, args: Sequence[Any], policy: Any = SAVE) -> tuple[list, Residuals]:
-    """Run the tape forward; returns (flat outputs, residuals)."""
+def _run(rec: Record, ins: list) -> tuple[list, Any]:
+    """Evaluate one record: (outputs, derived residuals or None)."""
+    if rec.rule != "none":
+        rule = lookup(rec.primitive) or FALLBACK
+        if rule.derive is not None:
+            return rule.derive(rec, ins)
+    return _bind(rec, ins), None
+
+
+def _boundary_consumers(tape: Tape) -> dict[int, tuple[Record, int, int]]:
+    """Segment input var id -> (a consuming record, input index, number of segments using it)."""
+    out: dict[int, tuple[Record, int, int]] = {}
+    for seg in tape.segments:
+        for v in seg.inputs:
+            if v.id in out:
+                rec, i, n = out[v.id]
+                out[v.id] = (rec, i, n + 1)
+                continue
+            for r in (tape.records[k] for k in seg.records):
+                if any(isinstance(u, Var) and u.id == v.id for u in r.inputs):
+                    idx = next(j for j, u in enumerate(r.inputs) if isinstance(u, Var) and u.id == v.id)
+                    out[v.id] = (r, idx, 1)
+                    break
+    return out
+
+
+def forward(tape: Tape, args: Sequence[Any], policy: Any = SAVE,
+            observer: Any = None) -> tuple[list, Residuals]:
+    """Run the tape forward; returns (flat outputs, residuals).
+
+    ``observer.forward_record(record, ins, outs)``, if given, sees every record's
+    values right after it runs (anomaly checks plug in here).
+    """
     env: dict[int, Any] = {v.id: x for v, x in zip(tape.inputs, args)}
     for v, c in tape.consts:
         env[v.id] = c
@@ -74,26 +105,41 @@ def forward(tape: Tape, args: Sequence[Any], policy: Any = SAVE) -> tuple[list, 
     res = Residuals(policy)
     plain = policy is SAVE
     store, refs = res.store, res.refs
+    if tape.segments:
+        _, recomputed = tape.residual_keys()
+        boundary = _boundary_consumers(tape)
+    else:
+        recomputed, boundary = {}, {}
+
+    def keep_boundary(var_id: int, value) -> None:
+        rec, i, uses = boundary[var_id]
+        if var_id in store:
+            refs[var_id] += uses
+            return
+        refs[var_id] = uses
+        u = rec.inputs[i]
+        store[var_id] = value if plain else _pack(res, rec, var_id, Saved("in", i, u.shape, u.dtype), value)
+
+    for v in list(tape.inputs) + [c for c, _ in tape.consts]:
+        if v.id in boundary:
+            keep_boundary(v.id, env[v.id])
+
     for rec in tape.records:
         ins = [env[i.id] if isinstance(i, Var) else i.value for i in rec.inputs]
-        derived = None
-        if rec.rule == "none":
-            outs = _bind(rec, ins)
-        else:
-            rule = lookup(rec.primitive) or FALLBACK
-            if rule.derive is None:
-                outs = _bind(rec, ins)
-            else:
-                outs, derived = rule.derive(rec, ins)
+        outs, derived = _run(rec, ins)
+        if observer is not None:
+            observer.forward_record(rec, ins, outs)
         for o, val in zip(rec.outputs, outs):
             env[o.id] = val
+            if o.id in boundary:
+                keep_boundary(o.id, val)
         if rec.saves:
             keys = []
             for s in rec.saves:
                 key = _key(rec, s.kind, s.index)
                 keys.append(key)
-                if key in store:
-                    refs[key] += 1
+                if key in store or key in recomputed:
+                    refs[key] = refs.get(key, 0) + 1
                     continue
                 if s.kind == "in":
                     value = ins[s.index]
@@ -141,7 +187,11 @@ def _unbroadcast(ct, shape):
 
 def _fit(ct, var, rec: Record, i: int):
     if ct.shape != var.shape:
-        if np.prod(ct.shape) < np.prod(var.shape):
+        try:
+            ok = np.broadcast_shapes(var.shape, ct.shape) == tuple(ct.shape)
+        except ValueError:
+            ok = False
+        if not ok:
             raise ResidualError(
                 f"internal: backward of {where(rec)} returned a cotangent of shape "
                 f"{ct.shape} for input {i} of shape {var.shape}")
@@ -162,12 +212,12 @@ def _unpack(res: Residuals, rec: Record, key, s):
         except Exception as e:
             e.add_note(f"tapegrad: raised by {res.policy!r}.unpack for residual {info}")
             raise
-        if tuple(getattr(value, "shape", ())) != s.shape or np.dtype(
+        if tuple(getattr(value, "shape", ())) != s.shape or as_dtype(
                 getattr(value, "dtype", None)) != s.dtype:
             raise ResidualError(
                 f"the residual policy's unpack returned "
                 f"{getattr(value, 'dtype', type(value).__name__)}{list(getattr(value, 'shape', []))}"
-                f" for {s} of {where(rec)}, which saved {np.dtype(s.dtype)}{list(s.shape)}. "
+                f" for {s} of {where(rec)}, which saved {s.dtype}{list(s.shape)}. "
                 "unpack must return an array of the shape and dtype that pack received.")
     if (isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer)
             and value.is_deleted()):
@@ -194,8 +244,12 @@ def _saved_values(rec: Record, saves, keys, get) -> tuple[list, list, list]:
     return x, y, aux
 
 
-def backward(tape: Tape, res: Residuals, out_cts: Sequence[Any], retain: bool = True) -> list:
+def backward(tape: Tape, res: Residuals, out_cts: Sequence[Any], retain: bool = True,
+             observer: Any = None) -> list:
     """Cotangents of the tape's inputs (None where an input gets none).
+
+    ``observer.backward_record(record, cts, in_cts)``, if given, sees each rule's
+    output cotangents and the input cotangents it returned.
 
     Each residual is unpacked once per backward, at its first use, and its
     unpacked value is dropped after its last use. With ``retain=False`` the
@@ -220,16 +274,63 @@ def backward(tape: Tape, res: Residuals, out_cts: Sequence[Any], retain: bool = 
     plain = res.policy is SAVE
     remaining = dict(res.refs)  # uses left in this backward, per residual
     unpacked: dict[Any, Any] = {}
+    recomputed: dict[Any, Any] = {}
+    seg_of = tape.residual_keys()[1] if tape.segments else {}
+    trigger: list = []  # the cotangents of the record being processed
+
+    def release(key) -> None:
+        left = remaining[key] - 1
+        remaining[key] = left
+        if left == 0:
+            unpacked.pop(key, None)
+            recomputed.pop(key, None)
+            if not retain:
+                store.pop(key, None)
 
     def get(rec, key, s):
-        if plain:
-            if key not in store:
+        v = recomputed.get(key)
+        if v is not None:
+            return v
+        if key not in store:
+            sid = seg_of.get(key)
+            if sid is None:
                 raise ResidualError(f"residual {s} of {where(rec)} is missing")
+            _recompute(tape.segments[sid])
+            return recomputed[key]
+        if plain:
             return _unpack(res, rec, key, s)
         v = unpacked.get(key)
         if v is None:
             v = unpacked[key] = _unpack(res, rec, key, s)
         return v
+
+    def _recompute(seg: Segment) -> None:
+        """Re-run a segment forward from its saved inputs, keeping what backward needs."""
+        vals: dict[int, Any] = {}
+        for v in seg.inputs:
+            rec0 = next(tape.records[k] for k in seg.records
+                        if any(isinstance(u, Var) and u.id == v.id for u in tape.records[k].inputs))
+            vals[v.id] = get(rec0, v.id, Saved("in", 0, v.shape, v.dtype))
+        if seg.prevent_cse and any(isinstance(x, jax.core.Tracer) for x in vals.values()):
+            # Under a trace, XLA's CSE would merge the recomputation with the forward
+            # computation; the barrier (tied to this backward step's cotangents, so it
+            # cannot be hoisted into forward) keeps it a real recomputation.
+            ids = list(vals)
+            barred, _ = lax.optimization_barrier((tuple(vals[i] for i in ids), tuple(trigger)))
+            vals = dict(zip(ids, barred))
+        for k in seg.records:
+            rec = tape.records[k]
+            ins = [vals[u.id] if isinstance(u, Var) else u.value for u in rec.inputs]
+            outs, derived = _run(rec, ins)
+            for o, val in zip(rec.outputs, outs):
+                vals[o.id] = val
+            for s in rec.saves:
+                if s.kind == "aux" and ("aux", k, s.index) in seg_of:
+                    recomputed[("aux", k, s.index)] = derived[s.index]
+        for o in seg.outputs:
+            recomputed[o.id] = vals[o.id]
+        for v in seg.inputs:
+            release(v.id)
 
     order = [rec for rec in reversed(tape.records) if rec.rule != "none"]
     prefetch = 0 if plain else int(getattr(res.policy, "prefetch", 0) or 0)
@@ -240,25 +341,23 @@ def backward(tape: Tape, res: Residuals, out_cts: Sequence[Any], retain: bool = 
             # asynchronous, so the copies overlap this record's compute.
             for nxt in order[n + 1:n + 1 + prefetch]:
                 for s, key in zip(nxt.saves, res.keys.get(nxt.index, ())):
-                    if key not in unpacked:
+                    if key not in unpacked and key in store:
                         unpacked[key] = _unpack(res, nxt, key, s)
         gs = [cts.pop(o.id, None) for o in rec.outputs]
+        trigger[:] = [g for g in gs if g is not None]
         if any(g is not None for g in gs):
             x, y, aux = _saved_values(rec, rec.saves, keys, get)
             rule = lookup(rec.primitive) or FALLBACK
             r = Res(x, y, aux, rec.inputs, rec.outputs, rec)
             in_cts = rule.vjp(rec.params, r, gs, rec.active)
+            if observer is not None:
+                observer.backward_record(rec, gs, in_cts)
             del x, y, aux, r
             for i, (inp, a, ct) in enumerate(zip(rec.inputs, rec.active, in_cts)):
                 if a and ct is not None:
                     accum(inp, _fit(ct, inp, rec, i))
         for key in keys:
-            left = remaining[key] - 1
-            remaining[key] = left
-            if left == 0:
-                unpacked.pop(key, None)
-                if not retain:
-                    del store[key]
+            release(key)
     if not retain:
         res.released = True
     return [cts.get(v.id) for v in tape.inputs]

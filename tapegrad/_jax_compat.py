@@ -77,6 +77,49 @@ def hi_primitive_name(params: dict) -> str | None:
     return getattr(prim, "name", None)
 
 
+def remat_parts(name: str, params: dict):
+    """``(body ClosedJaxpr, jax policy, prevent_cse)`` of a checkpoint equation, else None.
+
+    Handles both spellings: ``remat2`` (default) and, under ``jax_remat3``,
+    ``call_hi_primitive`` with a ``RematTraced`` instance.
+    """
+    if name == "remat2":
+        return sub_jaxpr(params), params.get("policy"), bool(params.get("prevent_cse", True))
+    if name == "call_hi_primitive" and hi_primitive_kind(params) == "RematTraced":
+        prim = params["_prim"]
+        return prim.jaxpr, prim.policy, True
+    return None
+
+
+def checkpoint_name_of(name: str, params: dict) -> str | None:
+    """The name of a ``checkpoint_name`` equation (both spellings), else None."""
+    if name == "name":
+        return params.get("name")
+    if name == "call_hi_primitive" and hi_primitive_kind(params) == "CheckpointName":
+        return params["_prim"].params["name"]
+    return None
+
+
+def policy_says_save(policy, prim, in_avals, params) -> bool:
+    """Apply a ``jax.checkpoint_policies`` policy to one equation.
+
+    jax policies return a bool or a ``Saveable`` / ``Recompute`` / ``Offloadable``
+    marker; anything but ``Recompute``/False means "may be saved".
+    """
+    if policy is None:
+        return False
+    out = policy(prim, *in_avals, **params)
+    if isinstance(out, bool):
+        return out
+    return type(out).__name__ != "RecomputeType" and out is not _pe_recompute()
+
+
+def _pe_recompute():
+    from jax._src.interpreters import partial_eval as pe  # the Recompute marker
+
+    return pe.Recompute
+
+
 def custom_vjp_forward(params: dict, args: list, active: list[bool]):
     """Run a ``custom_vjp_call``'s user forward; returns (outputs, residuals).
 

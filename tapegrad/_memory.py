@@ -19,7 +19,7 @@ import numpy as np
 from jax import tree_util
 
 from tapegrad._interpret import forward
-from tapegrad._tape import Tape
+from tapegrad._tape import Tape, as_dtype
 from tapegrad.policies._base import SAVE, resolve_policy
 
 __all__ = ["MemoryReport", "RecordMemory", "memory_report"]
@@ -125,56 +125,99 @@ def _leaf_bytes(packed) -> tuple[int, int, list]:
             host += leaf.nbytes
         else:
             dev += leaf.nbytes
-        dtypes.append(np.dtype(leaf.dtype))
+        dtypes.append(as_dtype(leaf.dtype))
     return dev, host, dtypes
 
 
 def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> MemoryReport:
     plain = policy is SAVE
-    const_ids = {v.id for v, _ in tape.consts}
-    sizes: dict[Any, tuple[int, int]] = {}
-    rows = []
+    producer = {o.id: rec.index for rec in tape.records for o in rec.outputs}
+    input_ids = {v.id for v in tape.inputs} | {v.id for v, _ in tape.consts}
+    seg_of = tape.residual_keys()[1] if tape.segments else {}
+
+    # Which record a kept value is charged to: its producer, else its first user.
     owner: dict[Any, int] = {}
     for rec in tape.records:
-        keys = res.keys.get(rec.index, ())
+        for s_ in rec.saves:
+            key = ("aux", rec.index, s_.index) if s_.kind == "aux" else (
+                rec.inputs[s_.index] if s_.kind == "in" else rec.outputs[s_.index]).id
+            owner.setdefault(key, producer.get(key, rec.index))
+    for seg in tape.segments:
+        for v in seg.inputs:
+            owner.setdefault(v.id, producer.get(v.id, seg.records[0]))
+    sizes = {key: _leaf_bytes(packed)[:2] for key, packed in res.store.items()}
+    const_ids = {v.id for v, _ in tape.consts}
+    for k in const_ids:
+        sizes.pop(k, None)  # constants belong to the tape, not to the residuals
+
+    rows = []
+    by_rec: dict[int, list] = {}
+    for key in sizes:
+        by_rec.setdefault(owner.get(key, -1), []).append(key)
+    for rec in tape.records:
+        keys = by_rec.get(rec.index)
+        if not keys:
+            continue
         dev = host = comp = orig = 0
-        for s, key in zip(rec.saves, keys):
-            if key in owner or key in const_ids:
-                continue
-            owner[key] = rec.index
+        for key in keys:
             d, h, dts = _leaf_bytes(res.store[key])
-            sizes[key] = (d, h)
-            dev, host, orig = dev + d, host + h, orig + s.nbytes
-            if any(dt != s.dtype for dt in dts):
+            info = res.infos.get(key)
+            want = info.dtype if info is not None else None
+            dev, host = dev + d, host + h
+            orig += info.nbytes if info is not None else d + h
+            if want is not None and any(dt != want for dt in dts):
                 comp += d + h
-        if rec.saves:
-            rows.append(RecordMemory(rec.index, rec.primitive, rec.source,
-                                     ",".join(map(str, rec.saves)), dev, host, comp, orig))
+        rows.append(RecordMemory(rec.index, rec.primitive, rec.source,
+                                 ",".join(map(str, rec.saves)) or "(segment input)",
+                                 dev, host, comp, orig))
 
     timeline = []
-    live = 0
+    live = sum(sum(sizes[k]) for k in sizes if isinstance(k, int) and k in input_ids)
     for rec in tape.records:
-        for key in res.keys.get(rec.index, ()):
-            if owner.get(key) == rec.index:
+        for key in by_rec.get(rec.index, ()):
+            if not (isinstance(key, int) and key in input_ids):
                 live += sum(sizes[key])
         timeline.append((f"fwd {rec.index}", live))
     residual = live
     remaining = dict(res.refs)
-    unpacked: dict[Any, int] = {}
+    extra: dict[Any, int] = {}  # unpacked device copies and recomputed values, per key
     peak = live
+
+    def release(key):
+        nonlocal live
+        remaining[key] -= 1
+        if remaining[key] == 0:
+            live -= sum(sizes.get(key, (0, 0))) + extra.pop(key, 0)
+
     for rec in reversed(tape.records):
         if rec.rule == "none":
             continue
         keys = res.keys.get(rec.index, ())
-        for s, key in zip(rec.saves, keys):
-            if not plain and key not in unpacked and key in sizes:
-                unpacked[key] = s.nbytes  # the device copy unpack brings back
-                live += s.nbytes
+        for s_, key in zip(rec.saves, keys):
+            if key in extra:
+                continue
+            if key not in res.store and key in seg_of:
+                seg = tape.segments[seg_of[key]]
+                transient = sum(o.nbytes for i in seg.records for o in tape.records[i].outputs)
+                if not plain:
+                    transient += sum(v.nbytes for v in seg.inputs)
+                peak = max(peak, live + transient)
+                for o in seg.outputs:
+                    extra[o.id] = o.nbytes
+                    live += o.nbytes
+                for i in seg.records:
+                    for a in tape.records[i].saves:
+                        if a.kind == "aux" and ("aux", i, a.index) in seg_of:
+                            extra[("aux", i, a.index)] = a.nbytes
+                            live += a.nbytes
+                for v in seg.inputs:
+                    release(v.id)
+            elif not plain and key in sizes:
+                extra[key] = s_.nbytes  # the device copy unpack brings back
+                live += s_.nbytes
         peak = max(peak, live)
         for key in keys:
-            remaining[key] -= 1
-            if remaining[key] == 0 and key in sizes:
-                live -= sum(sizes[key]) + unpacked.pop(key, 0)
+            release(key)
         timeline.append((f"bwd {rec.index}", live))
     dev_total = sum(d for d, _ in sizes.values())
     host_total = sum(h for _, h in sizes.values())
@@ -201,7 +244,7 @@ def memory_report(fun: Callable, argnums: int | Sequence[int] = 0, *, policy: An
         pol = resolve_policy(policy)
         nums = _argnums_tuple(argnums, len(args), "memory_report")
         owners = _leaf_owners(args)
-        t = _Traced(fun, args, lambda i: owners[i] in nums, False, "memory_report")
+        t = _Traced(fun, args, lambda i: owners[i] in nums, False, "memory_report", pol)
         _, res = forward(t.tape, t.flat, pol)
         jax.block_until_ready(list(res.store.values()))
         return report_from_run(t.tape, res, pol, t.flat)

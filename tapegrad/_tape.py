@@ -19,8 +19,22 @@ from tapegrad import _jax_compat as compat
 __all__ = ["Var", "Lit", "Saved", "Record", "Tape"]
 
 
+def as_dtype(dtype: Any) -> Any:
+    """A numpy dtype, or jax's own for extended dtypes (PRNG keys)."""
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        return dtype
+
+
+def itemsize(dtype: Any) -> int:
+    return int(getattr(as_dtype(dtype), "itemsize", 0))
+
+
 def _short_dtype(dtype: np.dtype) -> str:
-    d = np.dtype(dtype)
+    d = as_dtype(dtype)
+    if not isinstance(d, np.dtype):
+        return str(d)
     names = {"float": "f", "int": "i", "uint": "u", "complex": "c", "bool": "bool"}
     for long, short in names.items():
         if d.name.startswith(long):
@@ -51,7 +65,7 @@ class Var:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        return int(np.prod(self.shape, dtype=np.int64)) * itemsize(self.dtype)
 
     @property
     def aval(self) -> str:
@@ -97,7 +111,7 @@ class Saved:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        return int(np.prod(self.shape, dtype=np.int64)) * itemsize(self.dtype)
 
     def __str__(self) -> str:
         tag = {"in": "in", "out": "out", "aux": "aux"}[self.kind]
@@ -118,6 +132,11 @@ class Record:
       active: per input, whether backward computes a cotangent for it.
       rule: ``"rule"`` (a tapegrad rule), ``"fallback"`` (jax.vjp of the single
         primitive, saving its inputs), or ``"none"`` (not in backward).
+      decision: ``"save"`` (its outputs may be kept as residuals) or
+        ``"recompute"`` (they are recomputed in backward from saved values).
+      region: the checkpoint region (a `jax.checkpoint` / `tg.checkpoint` call)
+        the record was inlined from, if any.
+      names: names given to the record's output with `tg.name` / `checkpoint_name`.
     """
 
     index: int
@@ -128,6 +147,9 @@ class Record:
     saves: tuple[Saved, ...] = ()
     active: tuple[bool, ...] = ()
     rule: str = "none"
+    decision: str = "save"
+    region: int | None = None
+    names: tuple[str, ...] = ()
     prim: Any = field(default=None, repr=False)
     source_info: Any = field(default=None, repr=False)
     bind_params: Any = field(default=None, repr=False)
@@ -175,7 +197,35 @@ class Record:
             line += f"   saves[{','.join(map(str, self.saves))}]"
         if self.rule == "fallback":
             line += " (fallback)"
+        if self.decision == "recompute":
+            line += " (recompute)"
         return line
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """A checkpointed call (`jax.checkpoint` / `tg.checkpoint`) inlined into the tape."""
+
+    id: int
+    policy: Any
+    prevent_cse: bool
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Records recomputed together in backward, from saved boundary values.
+
+    ``inputs`` are the values kept from forward (packed through the residual
+    policy); ``outputs`` are the residual values the segment provides to
+    backward; recomputation runs once, at the first backward use of any of them.
+    """
+
+    id: int
+    records: tuple[int, ...]
+    inputs: tuple[Var, ...]
+    outputs: tuple[Var, ...]
+    prevent_cse: bool = True
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -192,26 +242,53 @@ class Tape:
     active_inputs: tuple[bool, ...] = ()
     in_tree: Any = field(default=None, repr=False)
     out_tree: Any = field(default=None, repr=False)
+    regions: tuple[Region, ...] = ()
+    segments: tuple[Segment, ...] = ()
 
     @property
     def saved_bytes(self) -> int:
-        """Bytes of distinct values kept for backward (literals and constants excluded)."""
-        return sum(nbytes for _, nbytes in self.residual_vars().items())
+        """Bytes of distinct values kept from forward to backward (literals and constants
+        excluded; values recomputed by checkpoint segments excluded, their inputs included)."""
+        return sum(self.residual_vars().values())
 
-    def residual_vars(self) -> dict[Any, int]:
-        """Distinct residual values: a value saved by several records counts once."""
-        const_ids = {v.id for v, _ in self.consts}
-        seen: dict[Any, int] = {}
+    def residual_keys(self) -> tuple[dict[Any, Any], dict[Any, int]]:
+        """``(kept, recomputed)``: residual key -> Var/Saved for the values packed in
+        forward, and key -> segment id for the values recomputed in backward.
+
+        A key is a `Var` id for inputs/outputs, ``("aux", record, k)`` for derived values.
+        """
+        recomputed: dict[Any, int] = {}
+        for seg in self.segments:
+            for v in seg.outputs:
+                recomputed[v.id] = seg.id
+            for i in seg.records:
+                rec = self.records[i]
+                for s in rec.saves:
+                    if s.kind == "aux":
+                        recomputed[("aux", i, s.index)] = seg.id
+        kept: dict[Any, Any] = {}
         for rec in self.records:
             for s in rec.saves:
                 if s.kind == "aux":
-                    seen[(rec.index, s.index)] = s.nbytes
+                    key = ("aux", rec.index, s.index)
+                    if key not in recomputed:
+                        kept.setdefault(key, s)
                     continue
                 v = rec.inputs[s.index] if s.kind == "in" else rec.outputs[s.index]
-                if isinstance(v, Lit) or v.id in const_ids:
-                    continue
-                seen[v.id] = v.nbytes
-        return seen
+                if isinstance(v, Var) and v.id not in recomputed:
+                    kept.setdefault(v.id, v)
+        for seg in self.segments:
+            for v in seg.inputs:
+                kept.setdefault(v.id, v)
+                recomputed.pop(v.id, None)  # kept as a segment input: never recomputed
+        return kept, recomputed
+
+    def residual_vars(self) -> dict[Any, int]:
+        """Distinct values kept for backward and their bytes: a value saved by several
+        records counts once; constants (owned by the tape) are not counted."""
+        const_ids = {v.id for v, _ in self.consts}
+        kept, _ = self.residual_keys()
+        return {k: v.nbytes for k, v in kept.items() if k not in const_ids}
 
     @property
     def fallback_records(self) -> tuple[Record, ...]:

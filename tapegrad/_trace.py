@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from tapegrad import _jax_compat as compat
-from tapegrad._tape import Lit, Record, Saved, Tape, Var, frozen_params
+from tapegrad._tape import Lit, Record, Region, Saved, Tape, Var, as_dtype, frozen_params
 from tapegrad.errors import NonDifferentiableError, where
 from tapegrad.rules import FALLBACK, NONDIFF, WHILE_ERROR, lookup
 
@@ -33,11 +33,12 @@ def is_differentiable_dtype(dtype: Any) -> bool:
 class _Raw:
     """A record before analysis (mutable only while this module builds it)."""
 
-    __slots__ = ("prim", "name", "params", "inputs", "outputs", "source_info")
+    __slots__ = ("prim", "name", "params", "inputs", "outputs", "source_info", "region", "names")
 
-    def __init__(self, prim, name, params, inputs, outputs, source_info):
+    def __init__(self, prim, name, params, inputs, outputs, source_info, region=None, names=()):
         self.prim, self.name, self.params = prim, name, params
         self.inputs, self.outputs, self.source_info = inputs, outputs, source_info
+        self.region, self.names = region, names
 
 
 class _Builder:
@@ -45,11 +46,13 @@ class _Builder:
         self.counter = itertools.count()
         self.raws: list[_Raw] = []
         self.consts: list[tuple[Var, Any]] = []
+        self.regions: list[Region] = []
 
     def new_var(self, aval) -> Var:
-        return Var(next(self.counter), tuple(aval.shape), np.dtype(aval.dtype))
+        return Var(next(self.counter), tuple(aval.shape), as_dtype(aval.dtype))
 
-    def convert(self, jaxpr, consts: Sequence[Any], in_vals: Sequence[Var | Lit]) -> list[Var | Lit]:
+    def convert(self, jaxpr, consts: Sequence[Any], in_vals: Sequence[Var | Lit],
+                region: int | None = None) -> list[Var | Lit]:
         env: dict[Any, Var | Lit] = {}
         for v, c in zip(jaxpr.constvars, consts):
             var = self.new_var(v.aval)
@@ -61,7 +64,7 @@ class _Builder:
         def read(v):
             if isinstance(v, compat.Literal):
                 aval = v.aval
-                return Lit(v.val, tuple(aval.shape), np.dtype(aval.dtype))
+                return Lit(v.val, tuple(aval.shape), as_dtype(aval.dtype))
             return env[v]
 
         for eqn in jaxpr.eqns:
@@ -69,18 +72,37 @@ class _Builder:
             name = eqn.primitive.name
             if name in compat.INLINE_CALLS:
                 sub = compat.sub_jaxpr(eqn.params)
-                outs = self.convert(sub.jaxpr, sub.consts, ins)
+                outs = self.convert(sub.jaxpr, sub.consts, ins, region)
                 for v, o in zip(eqn.outvars, outs):
                     env[v] = o
                 continue
-            if name == "call_hi_primitive":
-                kind = compat.hi_primitive_kind(eqn.params)
-                name = {"CheckpointName": "name", "RematTraced": "remat2"}.get(kind, name)
+            remat = compat.remat_parts(name, eqn.params)
+            if remat is not None:
+                # A checkpointed call is inlined: its records are visible on the tape,
+                # tagged with their region, whose policy decides what is recomputed.
+                body, policy, prevent_cse = remat
+                rid = len(self.regions)
+                src = frame_str(eqn.source_info)
+                self.regions.append(Region(rid, policy, prevent_cse, src))
+                outs = self.convert(body.jaxpr, body.consts, ins, rid)
+                for v, o in zip(eqn.outvars, outs):
+                    env[v] = o
+                continue
+            names = ()
+            cp_name = compat.checkpoint_name_of(name, eqn.params)
+            if cp_name is not None:
+                name, names = "name", (cp_name,)
             outs = [self.new_var(v.aval) for v in eqn.outvars]
             for v, o in zip(eqn.outvars, outs):
                 env[v] = o
-            self.raws.append(_Raw(eqn.primitive, name, eqn.params, ins, outs, eqn.source_info))
+            self.raws.append(_Raw(eqn.primitive, name, eqn.params, ins, outs, eqn.source_info,
+                                  region, names))
         return [read(v) for v in jaxpr.outvars]
+
+
+def frame_str(source_info) -> str:
+    frame = compat.frame_of(source_info)
+    return "<unknown>" if frame is None else f"{frame[0]}:{frame[1]} ({frame[2]})"
 
 
 def _rule_for(raw: _Raw):
@@ -145,8 +167,9 @@ def trace_flat(
         bind_params = raw.prim.get_bind_params(dict(raw.params))
         if not in_bwd[k]:
             records.append(Record(k, raw.name, tuple(raw.inputs), tuple(raw.outputs), params,
+                                  region=raw.region, names=raw.names,
                                   prim=raw.prim, source_info=raw.source_info,
-                              bind_params=bind_params))
+                                  bind_params=bind_params))
             continue
         act = tuple(isinstance(i, Var) and i.id in active and i.id in useful for i in raw.inputs)
         rule = _rule_for(raw)
@@ -166,9 +189,10 @@ def trace_flat(
                 v = raw.outputs[idx]
             else:
                 v = aux[idx]
-            saves.append(Saved(kind, idx, tuple(v.shape), np.dtype(v.dtype)))
+            saves.append(Saved(kind, idx, tuple(v.shape), as_dtype(v.dtype)))
         records.append(Record(k, raw.name, tuple(raw.inputs), tuple(raw.outputs), params,
                               saves=tuple(saves), active=act, rule=rule.kind,
+                              region=raw.region, names=raw.names,
                               prim=raw.prim, source_info=raw.source_info,
                               bind_params=bind_params))
 
@@ -180,6 +204,7 @@ def trace_flat(
         active_inputs=tuple(bool(a) for a in active_inputs),
         in_tree=in_tree,
         out_tree=out_tree_fn() if out_tree_fn is not None else None,
+        regions=tuple(b.regions),
     )
 
 

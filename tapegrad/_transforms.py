@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import tree_util
 
+from tapegrad._checkpoint import plan_recompute
 from tapegrad._interpret import backward, forward
 from tapegrad._tape import Tape
 from tapegrad._trace import is_differentiable_dtype, trace_flat
@@ -44,10 +45,17 @@ def _argnums_tuple(argnums: int | Sequence[int], n_args: int, fun_name: str) -> 
     for a in nums:
         if not isinstance(a, (int, np.integer)):
             raise TypeError(f"{fun_name}: argnums must be ints, got {a!r}.")
-        if not -n_args <= a < n_args:
+        if a >= n_args:  # TypeError, like jax: the caller passed too few arguments
+            raise TypeError(
+                f"{fun_name}: differentiating with respect to argnums={argnums} requires at "
+                f"least {a + 1} positional arguments to be passed by the caller, but got only "
+                f"{n_args}. Pass the differentiated arguments positionally (not by keyword), "
+                f"or use argnums within range(0, {n_args}).")
+        if a < -n_args:
             raise ValueError(
                 f"{fun_name}: argnums={argnums} is out of range for a function called with "
-                f"{n_args} positional argument(s). Pass argnums within range(0, {n_args}).")
+                f"{n_args} positional argument(s). Pass argnums within range({-n_args}, "
+                f"{n_args}).")
     return tuple(int(a) % n_args for a in nums)
 
 
@@ -83,7 +91,7 @@ class _Traced:
     """A traced function: its tape and how to map flat values back to pytrees."""
 
     def __init__(self, fun: Callable, args: tuple, active_leaf: Callable[[int], bool], has_aux: bool,
-                 fun_name: str):
+                 fun_name: str, policy: Any = None):
         flat, in_tree = tree_util.tree_flatten(args)
         _check_leaves(flat, fun_name)
         self.in_tree = in_tree
@@ -111,6 +119,7 @@ class _Traced:
             flat_fun, flat, active,
             diff_outputs=lambda n: [True] * trees["n_out"] + [False] * (n - trees["n_out"]),
             in_tree=in_tree, out_tree_fn=lambda: trees["out"])
+        self.tape = plan_recompute(self.tape, policy)
         self.out_tree = trees["out"]
         self.aux_tree = trees["aux"]
         self.n_out = trees["n_out"]
@@ -133,7 +142,7 @@ def vjp(fun: Callable, *primals: Any, has_aux: bool = False, policy: Any = None,
     during the first backward, and a second call raises.
     """
     pol = resolve_policy(policy)
-    t = _Traced(fun, primals, lambda i: True, has_aux, "vjp")
+    t = _Traced(fun, primals, lambda i: True, has_aux, "vjp", pol)
     flat_out, res = forward(t.tape, t.flat, pol)
     out = tree_util.tree_unflatten(t.out_tree, flat_out[: t.n_out])
     tape, flat_primals, in_tree, out_tree = t.tape, t.flat, t.in_tree, t.out_tree
@@ -141,7 +150,7 @@ def vjp(fun: Callable, *primals: Any, has_aux: bool = False, policy: Any = None,
     def vjp_fn(ct):
         ct_flat, ct_tree = tree_util.tree_flatten(ct)
         if ct_tree != out_tree:
-            raise TypeError(
+            raise ValueError(  # ValueError, like jax
                 f"vjp_fn: the cotangent has tree structure {ct_tree}, but the function's output "
                 f"has {out_tree}. Pass a cotangent with the output's structure.")
         for c, o in zip(ct_flat, flat_out):
@@ -149,6 +158,11 @@ def vjp(fun: Callable, *primals: Any, has_aux: bool = False, policy: Any = None,
                 raise ValueError(
                     f"vjp_fn: cotangent shape {np.shape(c)} does not match the output's shape "
                     f"{np.shape(o)}.")
+            want = _dtype_of(o)
+            if jnp.issubdtype(want, jnp.inexact) and jax.typeof(c).dtype != want:
+                raise ValueError(
+                    f"vjp_fn: cotangent dtype {jax.typeof(c).dtype} does not match the output's "
+                    f"dtype {want}. Pass a cotangent of the output's dtype.")
         in_cts = backward(tape, res, list(ct_flat) + [None] * (len(flat_out) - t.n_out),
                           retain=retain_residuals)
         in_cts = [c if c is not None else _zero_cotangent(x) for c, x in zip(in_cts, flat_primals)]
@@ -178,21 +192,33 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
                 if _is_array_leaf(x):
                     _check_input_dtype(x, allow_int, holomorphic, "grad")
         pol = resolve_policy(policy)
-        t = _Traced(f, args, lambda i: owners[i] in nums, has_aux, "grad")
+        t = _Traced(f, args, lambda i: owners[i] in nums, has_aux, "grad", pol)
         flat_out, res = forward(t.tape, t.flat, pol)
-        if t.n_out != 1 or np.shape(flat_out[0]) != ():
-            shape = np.shape(flat_out[0]) if t.n_out == 1 else f"a pytree of {t.n_out} arrays"
+        is_leaf = tree_util.treedef_is_leaf(t.out_tree)  # like jax, {"loss": x} is not a scalar
+        if t.n_out != 1 or not is_leaf or np.shape(flat_out[0]) != ():
+            what = (f"Output had shape: {np.shape(flat_out[0])}" if t.n_out == 1 and is_leaf
+                    else f"Output was a pytree {t.out_tree} of {t.n_out} array(s)")
             raise TypeError(
-                "Gradient only defined for scalar-output functions. Output had shape: "
-                f"{shape}. Reduce the output to a scalar (e.g. .sum()), or use tg.vjp.")
+                f"Gradient only defined for scalar-output functions. {what}. Reduce the output "
+                "to a scalar array (e.g. .sum()), return extra values with has_aux=True, or use "
+                "tg.vjp.")
         y = flat_out[0]
         ydt = _dtype_of(y)
-        if not holomorphic and not jnp.issubdtype(ydt, jnp.floating):
+        if holomorphic and not jnp.issubdtype(ydt, jnp.complexfloating):
+            raise TypeError(
+                f"grad with holomorphic=True requires outputs with complex dtype, but got "
+                f"{ydt.name}. Drop holomorphic=True for a real-valued output.")
+        if not holomorphic and jnp.issubdtype(ydt, jnp.complexfloating):
             raise TypeError(
                 "grad requires real-valued outputs (output dtype that is a sub-dtype of "
                 f"np.floating), but got {ydt.name}. For holomorphic differentiation, pass "
                 "holomorphic=True. For differentiating non-holomorphic functions involving "
                 "complex outputs, use tg.vjp directly.")
+        if not holomorphic and not jnp.issubdtype(ydt, jnp.floating):
+            raise TypeError(
+                "grad requires real-valued outputs (output dtype that is a sub-dtype of "
+                f"np.floating), but got {ydt.name}. For differentiation of functions with "
+                "integer outputs, use tg.vjp directly.")
         in_cts = backward(t.tape, res, [jnp.ones((), ydt)] + [None] * (len(flat_out) - 1),
                           retain=False)
         in_cts = [c if c is not None else (_zero_cotangent(x) if owners[i] in nums else None)
@@ -227,11 +253,12 @@ def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
     return grad_f
 
 
-def trace(fun: Callable, argnums: int | Sequence[int] | None = None):
+def trace(fun: Callable, argnums: int | Sequence[int] | None = None, *, policy: Any = None):
     """Like `jax.make_jaxpr`, but returns tapegrad's `Tape`.
 
     Inputs in ``argnums`` (default: every float input) are treated as
-    differentiated, which decides what each record saves.
+    differentiated, which decides what each record saves; ``policy`` (e.g. a
+    `tg.selective` policy) decides what is recomputed.
     """
 
     @functools.wraps(fun)
@@ -239,6 +266,6 @@ def trace(fun: Callable, argnums: int | Sequence[int] | None = None):
         owners = _leaf_owners(args)
         nums = None if argnums is None else _argnums_tuple(argnums, len(args), "trace")
         return _Traced(fun, args, lambda i: nums is None or owners[i] in nums, False,
-                       "trace").tape
+                       "trace", resolve_policy(policy)).tape
 
     return trace_f

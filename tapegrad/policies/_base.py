@@ -34,7 +34,7 @@ class ResidualInfo:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        return int(np.prod(self.shape, dtype=np.int64)) * int(getattr(self.dtype, 'itemsize', 0))
 
     @property
     def primitive(self) -> str:
@@ -51,7 +51,7 @@ class ResidualInfo:
 
     def __str__(self) -> str:
         return (f"{self.saved} of '{self.record.primitive}' (record #{self.record.index}, "
-                f"{np.dtype(self.dtype).name}{list(self.shape)}) at {self.record.source}")
+                f"{self.dtype}{list(self.shape)}) at {self.record.source}")
 
 
 @runtime_checkable

@@ -30,8 +30,8 @@ class Compress:
             raise ValueError(f"compress: dtype must be a floating dtype or 'int8', got {dtype!r}.")
 
     def _applies(self, info) -> bool:
-        dt = np.dtype(info.dtype)
-        if not jnp.issubdtype(dt, jnp.floating):
+        dt = info.dtype
+        if not isinstance(dt, np.dtype) or not jnp.issubdtype(dt, jnp.floating):
             return False
         target = 1 if self.int8 else self.dtype.itemsize
         return target < dt.itemsize

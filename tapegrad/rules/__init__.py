@@ -2,7 +2,7 @@
 
 from tapegrad.rules._registry import (NONDIFF, RULES, Res, Rule, deflinear, defnondiff, defrule,
                                       defvjp, lookup)
-from tapegrad.rules import elementwise, linalg, structural  # noqa: F401  (register rules)
+from tapegrad.rules import conv, elementwise, indexing, linalg, reductions, structural  # noqa: F401  (register rules)
 from tapegrad.rules.control import FALLBACK, WHILE_ERROR
 
 __all__ = ["NONDIFF", "RULES", "Res", "Rule", "FALLBACK", "WHILE_ERROR", "deflinear",

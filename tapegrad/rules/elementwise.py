@@ -48,8 +48,11 @@ defvjp("min", ("x0 x1", lambda g, r, p: g * _balanced(r.x[0], jnp.minimum(r.x[0]
 
 def _pow_dx(g, r, p):
     x, y = r.x
-    # d/dx x**y = y * x**(y-1), defined as 0 where y == 0 (jax's convention).
-    return g * jnp.where(y == 0, 0.0, y * x ** (y - 1)).astype(g.dtype)
+    # d/dx x**y = y * x**(y-1). As in jax, an integer exponent defines it as 0
+    # where y == 0; a float exponent does not (0 * 0**-1 is nan at x == y == 0).
+    if jnp.issubdtype(jnp.result_type(y), jnp.integer):
+        return g * jnp.where(y == 0, 0, y * x ** (y - 1)).astype(g.dtype)
+    return g * (y * x ** (y - 1)).astype(g.dtype)
 
 
 def _pow_dy(g, r, p):
@@ -104,7 +107,8 @@ defvjp("erfc", ("x0", lambda g, r, p: g * (-_TWO_OVER_SQRT_PI * jnp.exp(-r.x[0] 
 defvjp("erf_inv", ("y0", lambda g, r, p: g * (math.sqrt(math.pi) / 2 * jnp.exp(r.y[0] * r.y[0]))))
 
 # Piecewise.
-defvjp("abs", ("x0", lambda g, r, p: g * jnp.sign(r.x[0])))
+# d|x| = g where x >= 0, else -g (jax's convention: +g at x == 0, not sign(0) == 0).
+defvjp("abs", ("x0", lambda g, r, p: jnp.where(r.x[0] >= 0, g, -g)))
 
 
 def _clamp_lo(g, r, p):
@@ -127,7 +131,7 @@ defvjp("clamp", ("x0 x1 x2", _clamp_lo), ("x0 x1 x2", _clamp_x), ("x0 x1 x2", _c
 
 def _select_case(i):
     def ct(g, r, p):
-        which = r.x[0]
+        which = jnp.asarray(r.x[0])  # a literal predicate arrives as a Python bool/int
         if which.dtype == jnp.bool_:
             take = which if i == 1 else ~which
         else:

@@ -1,0 +1,327 @@
+"""Recompute instead of save: checkpoint regions, selective policies, segments.
+
+Every record carries a *decision*: ``"save"`` (its outputs may be kept as
+residuals) or ``"recompute"``. A residual whose producer is recomputed is not
+kept; backward recomputes it, once per *segment* (a connected group of
+recomputed records of one region), at the first backward use of any value the
+segment provides, from the segment's saved inputs.
+
+Decisions come from, in order: the record's checkpoint region (its
+`jax.checkpoint` policy, or a `tg.selective` policy passed to `tg.checkpoint`),
+else the residual policy's ``decide(record)`` (`tg.selective`, the budget
+planner), else "save".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from tapegrad import _jax_compat as compat
+from tapegrad._tape import Record, Segment, Tape, Var
+from tapegrad.policies._base import SAVE
+
+__all__ = ["CheckpointPolicy", "Selective", "selective", "checkpoint", "name",
+           "checkpoint_sequential", "plan_recompute"]
+
+
+class CheckpointPolicy(enum.Enum):
+    """PyTorch's selective-checkpoint decisions.
+
+    ALWAYS / NEVER are binding; PREFER_SAVE / PREFER_RECOMPUTE may be overridden
+    by the budget planner (without a budget, PREFER_x means x).
+    """
+
+    ALWAYS = "always"
+    NEVER = "never"
+    PREFER_SAVE = "prefer_save"
+    PREFER_RECOMPUTE = "prefer_recompute"
+
+    @property
+    def saves(self) -> bool:
+        return self in (CheckpointPolicy.ALWAYS, CheckpointPolicy.PREFER_SAVE)
+
+
+P = CheckpointPolicy
+
+
+def _as_policy(d: Any) -> CheckpointPolicy:
+    if isinstance(d, CheckpointPolicy):
+        return d
+    if isinstance(d, bool):
+        return P.ALWAYS if d else P.NEVER
+    raise TypeError(f"a selective policy must return a tg.CheckpointPolicy (or a bool), got {d!r}")
+
+
+class Selective:
+    """A residual policy that also decides, per record, save or recompute.
+
+    Saved residuals go through ``base`` (default `save()`), so "save dots,
+    offloaded" is ``tg.selective(fn, base=tg.policies.offload())``.
+    """
+
+    def __init__(self, fn: Callable[[Record], Any], base: Any = None):
+        self.fn = fn
+        self.base = SAVE if base is None else base
+        self.prefetch = getattr(self.base, "prefetch", 0)
+
+    def choose(self, record: Record) -> CheckpointPolicy:
+        return _as_policy(self.fn(record))
+
+    def decide(self, record: Record) -> str:
+        return "save" if self.choose(record).saves else "recompute"
+
+    def pack(self, value, info):
+        return self.base.pack(value, info)
+
+    def unpack(self, packed, info):
+        return self.base.unpack(packed, info)
+
+    # Called by jax.checkpoint when a tg.checkpoint(policy=selective) runs under jax.grad.
+    def __call__(self, prim, *avals, **params) -> bool:
+        rec = Record(-1, prim.name, tuple(Var(-1, tuple(a.shape), np.dtype(a.dtype)) for a in avals),
+                     (), params, prim=prim)
+        return self.choose(rec).saves
+
+    def __repr__(self) -> str:
+        return f"selective({getattr(self.fn, '__name__', '?')}, base={self.base!r})"
+
+
+def selective(fn: Callable[[Record], Any], base: Any = None) -> Selective:
+    """A selective-checkpoint policy: ``fn(record) -> tg.CheckpointPolicy``.
+
+    ```python
+    P = tg.CheckpointPolicy
+    sac = tg.selective(lambda r: P.ALWAYS if r.primitive == "dot_general" else P.PREFER_RECOMPUTE)
+    tg.grad(loss, policy=sac)(params, x)
+    ```
+    """
+    return Selective(fn, base)
+
+
+def checkpoint(fun: Callable, policy: Any = None, *, prevent_cse: bool = True,
+               static_argnums: int | tuple[int, ...] = ()) -> Callable:
+    """Recompute ``fun``'s residuals in backward instead of keeping them.
+
+    Built on `jax.checkpoint`, so the same code runs under `jax.grad`.
+    ``policy`` is a `tg.selective` policy or any `jax.checkpoint_policies` policy.
+    """
+    return jax.checkpoint(fun, policy=policy, prevent_cse=prevent_cse, static_argnums=static_argnums)
+
+
+def name(x: Any, name: str) -> Any:
+    """Tag a value for policies (`jax.ad_checkpoint.checkpoint_name`)."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    return checkpoint_name(x, name)
+
+
+def checkpoint_sequential(functions: Sequence[Callable], segments: int | str, input: Any,
+                          policy: Any = None) -> Any:
+    """PyTorch's ``checkpoint_sequential``: run ``functions`` in order, checkpointing
+    ``segments`` equal-length chunks; the last chunk is not checkpointed.
+
+    ``segments="sqrt"`` uses ``round(sqrt(len(functions)))`` chunks.
+    """
+    n = len(functions)
+    if n == 0:
+        return input
+    if segments == "sqrt":
+        segments = max(1, round(math.sqrt(n)))
+    if not isinstance(segments, int) or segments < 1:
+        raise ValueError(f"checkpoint_sequential: segments must be a positive int or 'sqrt', "
+                         f"got {segments!r}.")
+    segments = min(segments, n)
+    size = n // segments
+
+    def run(fs, x):
+        for f in fs:
+            x = f(x)
+        return x
+
+    x = input
+    start = 0
+    for _ in range(segments - 1):
+        chunk = tuple(functions[start:start + size])
+        x = checkpoint(functools.partial(run, chunk), policy=policy)(x)
+        start += size
+    return run(functions[start:], x)
+
+
+# ---------------------------------------------------------------------------
+# The pass: decisions and segments.
+
+def _region_decides(rec: Record, region) -> str:
+    pol = region.policy
+    if isinstance(pol, Selective):
+        return pol.decide(rec)
+    if rec.names:  # checkpoint_name: ask the policy as jax would, with name_p
+        prim, avals, params = compat.name_p, [jax.ShapeDtypeStruct(rec.outputs[0].shape,
+                                                                   rec.outputs[0].dtype)], {"name": rec.names[0]}
+    else:
+        prim = rec.prim
+        avals = [jax.ShapeDtypeStruct(i.shape, i.dtype) for i in rec.inputs]
+        params = dict(rec.params)
+    return "save" if compat.policy_says_save(pol, prim, avals, params) else "recompute"
+
+
+def decide_records(tape: Tape, policy: Any) -> list[str]:
+    regions = {r.id: r for r in tape.regions}
+    decide = getattr(policy, "decide", None)
+    out = []
+    for rec in tape.records:
+        if rec.region is not None:
+            out.append(_region_decides(rec, regions[rec.region]))
+        elif decide is not None:
+            out.append(decide(rec))
+        else:
+            out.append("save")
+    return out
+
+
+def build_segments(tape: Tape, decisions: Sequence[str]) -> tuple[Segment, ...]:
+    """Group the recomputed records that backward needs into segments."""
+    producer: dict[int, Record] = {}
+    for rec in tape.records:
+        for o in rec.outputs:
+            producer[o.id] = rec
+    recompute = [d == "recompute" for d in decisions]
+
+    def recomputed(v) -> bool:
+        return isinstance(v, Var) and v.id in producer and recompute[producer[v.id].index]
+
+    needed: set[int] = set()  # record indices to recompute
+    wanted: dict[int, set[int]] = {}  # record -> residual var ids it must provide
+    stack: list[Record] = []
+    for rec in tape.records:
+        if rec.rule == "none":
+            continue
+        for s in rec.saves:
+            if s.kind == "aux":
+                if recompute[rec.index]:
+                    stack.append(rec)
+                continue
+            v = rec.inputs[s.index] if s.kind == "in" else rec.outputs[s.index]
+            if recomputed(v):
+                p = producer[v.id]
+                wanted.setdefault(p.index, set()).add(v.id)
+                stack.append(p)
+    while stack:
+        rec = stack.pop()
+        if rec.index in needed:
+            continue
+        needed.add(rec.index)
+        for i in rec.inputs:
+            if recomputed(i) and producer[i.id].region == rec.region:
+                stack.append(producer[i.id])
+
+    # Union-find over data edges between needed records of the same region.
+    parent = {i: i for i in needed}
+
+    def find(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i in needed:
+        rec = tape.records[i]
+        for u in rec.inputs:
+            if isinstance(u, Var) and u.id in producer:
+                j = producer[u.id].index
+                if j in needed and tape.records[j].region == rec.region:
+                    parent[find(i)] = find(j)
+    groups: dict[int, list[int]] = {}
+    for i in sorted(needed):
+        groups.setdefault(find(i), []).append(i)
+
+    regions = {r.id: r for r in tape.regions}
+    groups_l = sorted(groups.values())
+    inputs_of: list[dict[int, Var]] = []
+    for idxs in groups_l:
+        inside = {o.id for i in idxs for o in tape.records[i].outputs}
+        inputs: dict[int, Var] = {}
+        for i in idxs:
+            for u in tape.records[i].inputs:
+                if isinstance(u, Var) and u.id not in inside:
+                    inputs.setdefault(u.id, u)
+        inputs_of.append(inputs)
+    has_aux = [any(s.kind == "aux" for i in idxs for s in tape.records[i].saves
+                   if tape.records[i].rule != "none") for idxs in groups_l]
+
+    def outputs(g: int, stored: set[int]) -> list[Var]:
+        return [o for i in groups_l[g] for o in tape.records[i].outputs
+                if o.id in wanted.get(i, ()) and o.id not in stored]
+
+    # A value some segment keeps as an input is stored, so no segment needs to
+    # recompute it; a segment left with nothing to provide is dropped (e.g. a
+    # checkpointed layer with one activation, which is the next layer's input).
+    active = set(range(len(groups_l)))
+    for _ in range(8):
+        stored = {v for g in active for v in inputs_of[g]}
+        new = {g for g in range(len(groups_l)) if has_aux[g] or outputs(g, stored)}
+        if new == active:
+            break
+        active = new
+    stored = {v for g in active for v in inputs_of[g]}
+    provided = {o.id for g in active for o in outputs(g, stored)}
+    if any(v not in stored and v not in provided for ws in wanted.values() for v in ws):
+        active = set(range(len(groups_l)))  # not converged: keep every segment (always correct)
+        stored = {v for g in active for v in inputs_of[g]}
+
+    segments = []
+    for g in sorted(active):
+        idxs = groups_l[g]
+        outs = outputs(g, stored)
+        region = tape.records[idxs[0]].region
+        prevent = regions[region].prevent_cse if region is not None else True
+        segments.append(Segment(len(segments), tuple(idxs), tuple(inputs_of[g].values()),
+                                tuple(outs), prevent))
+    pruned = tuple(_prune(tape, seg, producer) for seg in segments)
+    kept = {v.id for seg in pruned for v in seg.inputs}
+    provided = {o.id for seg in pruned for o in seg.outputs}
+    if all(v in kept or v in provided for ws in wanted.values() for v in ws):
+        return pruned
+    return tuple(segments)
+
+
+def _prune(tape: Tape, seg: Segment, producer: dict[int, Record]) -> Segment:
+    """Keep only the records a segment needs to produce its outputs (and derived values)."""
+    members = set(seg.records)
+    keep: set[int] = set()
+    stack = [producer[o.id].index for o in seg.outputs]
+    stack += [i for i in seg.records if tape.records[i].rule != "none"
+              and any(s.kind == "aux" for s in tape.records[i].saves)]
+    while stack:
+        i = stack.pop()
+        if i in keep:
+            continue
+        keep.add(i)
+        for u in tape.records[i].inputs:
+            if isinstance(u, Var) and u.id in producer and producer[u.id].index in members:
+                stack.append(producer[u.id].index)
+    idxs = tuple(sorted(keep))
+    inside = {o.id for i in idxs for o in tape.records[i].outputs}
+    inputs: dict[int, Var] = {}
+    for i in idxs:
+        for u in tape.records[i].inputs:
+            if isinstance(u, Var) and u.id not in inside:
+                inputs.setdefault(u.id, u)
+    return Segment(seg.id, idxs, tuple(inputs.values()), seg.outputs, seg.prevent_cse)
+
+
+def plan_recompute(tape: Tape, policy: Any = None, decisions: Sequence[str] | None = None) -> Tape:
+    """Tape pass: set each record's decision and build the recompute segments."""
+    if decisions is None:
+        decisions = decide_records(tape, policy)
+    if all(d == "save" for d in decisions) and not any(r.decision != "save" for r in tape.records):
+        return tape
+    records = tuple(dataclasses.replace(r, decision=d) for r, d in zip(tape.records, decisions))
+    segs = build_segments(dataclasses.replace(tape, records=records), decisions)
+    return dataclasses.replace(tape, records=records, segments=segs)
