@@ -173,16 +173,25 @@ def _region_decides(rec: Record, region) -> str:
 
 def decide_records(tape: Tape, policy: Any) -> list[str]:
     regions = {r.id: r for r in tape.regions}
+    plan = getattr(policy, "plan", None)
+    base = getattr(policy, "base", None) if plan is not None else policy
+    choose = getattr(base, "choose", None)
     decide = getattr(policy, "decide", None)
-    out = []
+    fixed: list[str | None] = []
     for rec in tape.records:
         if rec.region is not None:
-            out.append(_region_decides(rec, regions[rec.region]))
+            fixed.append(_region_decides(rec, regions[rec.region]))
+        elif plan is not None:
+            c = choose(rec) if choose is not None else None
+            binding = c in (P.ALWAYS, P.NEVER)
+            fixed.append(("save" if c is P.ALWAYS else "recompute") if binding else None)
         elif decide is not None:
-            out.append(decide(rec))
+            fixed.append(decide(rec))
         else:
-            out.append("save")
-    return out
+            fixed.append("save")
+    if plan is not None:
+        return plan(tape, fixed)
+    return [f if f is not None else "save" for f in fixed]
 
 
 def build_segments(tape: Tape, decisions: Sequence[str]) -> tuple[Segment, ...]:
@@ -320,7 +329,7 @@ def plan_recompute(tape: Tape, policy: Any = None, decisions: Sequence[str] | No
     """Tape pass: set each record's decision and build the recompute segments."""
     if decisions is None:
         decisions = decide_records(tape, policy)
-    if all(d == "save" for d in decisions) and not any(r.decision != "save" for r in tape.records):
+    if all(d == "save" for d in decisions) and all(r.decision == "save" for r in tape.records):
         return tape
     records = tuple(dataclasses.replace(r, decision=d) for r, d in zip(tape.records, decisions))
     segs = build_segments(dataclasses.replace(tape, records=records), decisions)

@@ -20,7 +20,7 @@ from jax import lax
 
 from tapegrad._tape import Lit, Record, Saved, Segment, Tape, Var, as_dtype
 from tapegrad.errors import ResidualError, where
-from tapegrad.policies._base import SAVE, ResidualInfo
+from tapegrad.policies._base import SAVE, ResidualInfo, is_plain
 from tapegrad.rules import FALLBACK, Res, lookup
 
 __all__ = ["Residuals", "forward", "backward"]
@@ -34,7 +34,7 @@ class Residuals:
     still need it so backward can release it after its last use.
     """
 
-    __slots__ = ("store", "refs", "keys", "policy", "infos", "released")
+    __slots__ = ("store", "refs", "keys", "policy", "infos", "released", "plain")
 
     def __init__(self, policy):
         self.store: dict[Any, Any] = {}
@@ -43,6 +43,7 @@ class Residuals:
         self.infos: dict[Any, ResidualInfo] = {}
         self.policy = policy
         self.released = False
+        self.plain = False
 
 
 def _key(rec: Record, kind: str, idx: int):
@@ -103,7 +104,7 @@ def forward(tape: Tape, args: Sequence[Any], policy: Any = SAVE,
             last_use[o.id] = len(tape.records)
 
     res = Residuals(policy)
-    plain = policy is SAVE
+    plain = res.plain = is_plain(policy)
     store, refs = res.store, res.refs
     if tape.segments:
         _, recomputed = tape.residual_keys()
@@ -203,7 +204,7 @@ def _fit(ct, var, rec: Record, i: int):
 
 def _unpack(res: Residuals, rec: Record, key, s):
     packed = res.store[key]
-    if res.policy is SAVE:
+    if res.plain:
         value = packed
     else:
         info = res.infos[key]
@@ -271,7 +272,7 @@ def backward(tape: Tape, res: Residuals, out_cts: Sequence[Any], retain: bool = 
             accum(o, ct)
 
     store = res.store
-    plain = res.policy is SAVE
+    plain = res.plain
     remaining = dict(res.refs)  # uses left in this backward, per residual
     unpacked: dict[Any, Any] = {}
     recomputed: dict[Any, Any] = {}

@@ -20,7 +20,7 @@ from jax import tree_util
 
 from tapegrad._interpret import forward
 from tapegrad._tape import Tape, as_dtype
-from tapegrad.policies._base import SAVE, resolve_policy
+from tapegrad.policies._base import is_plain, resolve_policy
 
 __all__ = ["MemoryReport", "RecordMemory", "memory_report"]
 
@@ -130,7 +130,7 @@ def _leaf_bytes(packed) -> tuple[int, int, list]:
 
 
 def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> MemoryReport:
-    plain = policy is SAVE
+    plain = is_plain(policy)
     producer = {o.id: rec.index for rec in tape.records for o in rec.outputs}
     input_ids = {v.id for v in tape.inputs} | {v.id for v, _ in tape.consts}
     seg_of = tape.residual_keys()[1] if tape.segments else {}

@@ -214,3 +214,47 @@ def test_recomputation_survives_cse_under_jit():
     n_sin = len(re.findall(r"stablehlo\.sine", lowered))
     assert n_sin > len(re.findall(r"stablehlo\.sine", plain_lowered))  # really recomputed
     assert "optimization_barrier" in lowered
+
+
+# --- the budget planner ---------------------------------------------------------
+
+@pytest.mark.parametrize("frac", [0.75, 0.5, 0.35])
+def test_budget_planner_fits_and_keeps_gradients(frac):
+    ws, x = make(16)
+    full = tg.memory_report(plain, argnums=(0, 1))(ws, x)
+    full_act = full.peak_bytes - full.input_bytes
+    policy = tg.policies.budget(int(full_act * frac))
+    rep = tg.memory_report(plain, argnums=(0, 1), policy=policy)(ws, x)
+    assert rep.peak_bytes - rep.input_bytes <= int(full_act * frac)  # measured by the report
+    assert policy.last["recompute_flops"] > 0
+    chex.assert_trees_all_close(tg.grad(plain, argnums=(0, 1), policy=policy)(ws, x),
+                                jax.grad(plain, argnums=(0, 1))(ws, x), rtol=1e-5, atol=1e-6)
+
+
+def test_budget_that_fits_recomputes_nothing():
+    ws, x = make(4)
+    policy = tg.policies.budget(1 << 30)
+    tape = tg.trace(plain, policy=policy)(ws, x)
+    assert all(r.decision == "save" for r in tape.records) and policy.last["recompute_flops"] == 0
+
+
+def test_impossible_budget_names_the_smallest_feasible_one():
+    ws, x = make(8)
+    with pytest.raises(tg.policies.BudgetError, match=r"smallest peak among the plans tried is [\d,]+ bytes") as e:
+        tg.grad(plain, policy=tg.policies.budget(64))(ws, x)
+    smallest = int(re.search(r"is ([\d,]+) bytes", str(e.value)).group(1).replace(",", ""))
+    tg.grad(plain, policy=tg.policies.budget(smallest))(ws, x)  # and that one works
+    assert isinstance(e.value, ValueError)
+
+
+def test_budget_respects_always_and_never():
+    ws, x = make(8)
+    sac = tg.selective(lambda r: P.ALWAYS if r.primitive == "sin" else
+                       (P.NEVER if r.primitive == "tanh" else P.PREFER_SAVE))
+    full = tg.memory_report(plain)(ws, x)
+    policy = tg.policies.budget((full.peak_bytes - full.input_bytes) // 2, base=sac)
+    tape = tg.trace(plain, policy=policy)(ws, x)
+    assert {r.decision for r in tape.records if r.primitive == "sin"} == {"save"}
+    assert {r.decision for r in tape.records if r.primitive == "tanh"} == {"recompute"}
+    chex.assert_trees_all_close(tg.grad(plain, policy=policy)(ws, x), jax.grad(plain)(ws, x),
+                                rtol=1e-5, atol=1e-6)

@@ -79,6 +79,14 @@ class Save:
 SAVE = Save()
 
 
+def is_plain(policy: Any) -> bool:
+    """True when residuals end up saved as they are: `save()`, or a wrapper (selective,
+    budget) whose ``base`` is `save()`. The interpreter then skips pack/unpack."""
+    while policy is not SAVE and hasattr(policy, "base"):
+        policy = policy.base
+    return policy is SAVE
+
+
 def save() -> Save:
     """The default policy: keep every residual on device, unchanged."""
     return SAVE

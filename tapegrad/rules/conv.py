@@ -189,8 +189,9 @@ def _window_limit(start, out, p):
 
 
 def _choice_dtype(p):
-    return np.dtype(np.int8) if math.prod(p["window_dimensions"]) < 127 else (
-        np.dtype(np.int16) if math.prod(p["window_dimensions"]) < 32767 else np.dtype(np.int32))
+    """The narrowest integer type holding 0..K, K = the window's size (K: no element won)."""
+    k = math.prod(p["window_dimensions"])
+    return np.dtype(next(dt for dt in (np.int8, np.int16, np.int32) if k <= np.iinfo(dt).max))
 
 
 def _choice(x, y, init, p):
@@ -228,10 +229,11 @@ def _chosen_ct(g, choice, in_shape, p):
 
 
 def _chooser_rule(name, identity):
+    # ``identity`` is the value jax pads the operand with (-inf for max, inf for min).
     def derive(rec, ins):
         x = ins[0]
         y = rec.prim.bind(*ins, **rec.bind_params)
-        return [y], [_choice(x, y, identity(x.dtype), rec.params)]
+        return [y], [_choice(x, y, identity, rec.params)]
 
     def avals(p, in_avals, out_avals, active):
         return [jax.ShapeDtypeStruct(out_avals[0].shape, _choice_dtype(p))]
@@ -240,8 +242,8 @@ def _chooser_rule(name, identity):
            derive=derive, aux_avals=avals)
 
 
-_chooser_rule("reduce_window_max", lambda dt: -np.inf)
-_chooser_rule("reduce_window_min", lambda dt: np.inf)
+_chooser_rule("reduce_window_max", -np.inf)
+_chooser_rule("reduce_window_min", np.inf)
 
 
 # ---------------------------------------------------------------------------

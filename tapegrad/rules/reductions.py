@@ -53,9 +53,9 @@ def _bind(rec, ins):
 
 
 def _index_dtype(n):
-    """The narrowest signed integer type holding 0..n (indices saved for backward)."""
+    """The narrowest signed integer type holding 0..n-1 (indices saved for backward)."""
     for dt in (np.int8, np.int16, np.int32):
-        if n <= np.iinfo(dt).max:
+        if n - 1 <= np.iinfo(dt).max:
             return np.dtype(dt)
     return np.dtype(np.int64)
 
@@ -80,9 +80,9 @@ def _chooser_avals(p, in_avals, out_avals, active):
 def _chooser_ct(g, r, p):
     axes = tuple(p["axes"])
     shape = r.in_avals[0].shape
-    where = r.aux[0].astype(g.dtype)
-    counts = lax.reduce_sum(where, axes)
-    return _expand(g / counts, shape, axes) * where
+    hit = r.aux[0].astype(g.dtype)
+    counts = lax.reduce_sum(hit, axes)  # as jax: 0/0 = NaN where the extremum is NaN
+    return _expand(g / counts, shape, axes) * hit
 
 
 for _name in ("reduce_max", "reduce_min"):
