@@ -12,6 +12,7 @@ memory falls during backward as in PyTorch.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -64,6 +65,65 @@ def _run(rec: Record, ins: list) -> tuple[list, Any]:
         if rule.derive is not None:
             return rule.derive(rec, ins)
     return _bind(rec, ins), None
+
+
+# Eager backward: a rule is a few jax ops; dispatching them one by one costs
+# ~20-80 µs each, while one jitted call of the whole rule (cached per primitive,
+# params and shapes) costs about one dispatch. So eagerly each rule runs as one
+# compiled call; under a trace (jit, vmap, grad of grad) rules are traced inline.
+_RULE_JIT: dict[Any, Any] = {}
+_RULE_JIT_MAX = 4096
+
+
+def _lit_key(v) -> Any:
+    if type(v) is not Lit:
+        return None
+    a = np.asarray(v.value)
+    if a.size != 1:
+        raise TypeError("non-scalar literal")
+    return a.item()
+
+
+def _rule_key(rec: Record, x, y, aux, gs):
+    try:
+        key = (rec.primitive, tuple(sorted(rec.params.items())), rec.active,
+               tuple((i.shape, str(i.dtype), _lit_key(i)) for i in rec.inputs),
+               tuple((o.shape, str(o.dtype)) for o in rec.outputs),
+               tuple(v is not None and type(i) is not Lit for v, i in zip(x, rec.inputs)),
+               tuple(v is not None for v in y), len(aux), tuple(g is not None for g in gs))
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _is_concrete(vals) -> bool:
+    for v in vals:
+        if v is not None and not isinstance(v, jax.Array) or isinstance(v, jax.core.Tracer):
+            return False
+    return True
+
+
+def _apply_rule(rule, rec: Record, x, y, aux, gs) -> list:
+    """Input cotangents (fitted to each input's shape and dtype), None where none."""
+    if rule.kind == "rule" and _is_concrete(gs) and _is_concrete(y) and _is_concrete(aux) and \
+            _is_concrete(v for v, i in zip(x, rec.inputs) if type(i) is not Lit):
+        key = _rule_key(rec, x, y, aux, gs)
+        if key is not None:
+            fn = _RULE_JIT.get(key)
+            if fn is None:
+                if len(_RULE_JIT) >= _RULE_JIT_MAX:
+                    _RULE_JIT.clear()
+                fn = _RULE_JIT[key] = jax.jit(functools.partial(_rule_body, rule, rec))
+            return fn([None if type(i) is Lit else v for v, i in zip(x, rec.inputs)], y, aux, gs)
+    return _rule_body(rule, rec, x, y, aux, gs)
+
+
+def _rule_body(rule, rec: Record, x, y, aux, gs) -> list:
+    x = [i.value if type(i) is Lit else v for v, i in zip(x, rec.inputs)]
+    in_cts = rule.vjp(rec.params, Res(x, y, aux, rec.inputs, rec.outputs, rec), gs, rec.active)
+    return [_fit(ct, inp, rec, i) if (a and ct is not None) else None
+            for i, (inp, a, ct) in enumerate(zip(rec.inputs, rec.active, in_cts))]
 
 
 def _boundary_consumers(tape: Tape) -> dict[int, tuple[Record, int, int]]:
@@ -349,14 +409,13 @@ def backward(tape: Tape, res: Residuals, out_cts: Sequence[Any], retain: bool = 
         if any(g is not None for g in gs):
             x, y, aux = _saved_values(rec, rec.saves, keys, get)
             rule = lookup(rec.primitive) or FALLBACK
-            r = Res(x, y, aux, rec.inputs, rec.outputs, rec)
-            in_cts = rule.vjp(rec.params, r, gs, rec.active)
+            in_cts = _apply_rule(rule, rec, x, y, aux, gs)
             if observer is not None:
                 observer.backward_record(rec, gs, in_cts)
-            del x, y, aux, r
-            for i, (inp, a, ct) in enumerate(zip(rec.inputs, rec.active, in_cts)):
-                if a and ct is not None:
-                    accum(inp, _fit(ct, inp, rec, i))
+            del x, y, aux
+            for inp, ct in zip(rec.inputs, in_cts):
+                if ct is not None:
+                    accum(inp, ct)
         for key in keys:
             release(key)
     if not retain:
