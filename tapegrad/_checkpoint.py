@@ -325,6 +325,32 @@ def _prune(tape: Tape, seg: Segment, producer: dict[int, Record]) -> Segment:
     return Segment(seg.id, idxs, tuple(inputs.values()), seg.outputs, seg.prevent_cse)
 
 
+def segment_peak(tape: Tape, seg: Segment) -> int:
+    """Peak bytes a segment's recomputation holds: outputs kept so far plus the
+    intermediates still needed (the interpreter frees them at their last use)."""
+    keep = {o.id for o in seg.outputs}
+    last: dict[int, int] = {}
+    for k in seg.records:
+        for u in tape.records[k].inputs:
+            if isinstance(u, Var):
+                last[u.id] = k
+    live, peak = 0, 0
+    sizes: dict[int, int] = {}
+    for k in seg.records:
+        rec = tape.records[k]
+        for o in rec.outputs:
+            sizes[o.id] = o.nbytes
+            live += o.nbytes
+        peak = max(peak, live)
+        for u in rec.inputs:
+            if isinstance(u, Var) and last.get(u.id) == k and u.id in sizes and u.id not in keep:
+                live -= sizes.pop(u.id)
+        for o in rec.outputs:
+            if o.id not in last and o.id not in keep and o.id in sizes:
+                live -= sizes.pop(o.id)
+    return peak
+
+
 def plan_recompute(tape: Tape, policy: Any = None, decisions: Sequence[str] | None = None) -> Tape:
     """Tape pass: set each record's decision and build the recompute segments."""
     if decisions is None:

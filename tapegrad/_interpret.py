@@ -367,6 +367,7 @@ def backward(tape: Tape, res: Residuals, out_cts: Sequence[Any], retain: bool = 
 
     def _recompute(seg: Segment) -> None:
         """Re-run a segment forward from its saved inputs, keeping what backward needs."""
+        wanted = {o.id for o in seg.outputs}
         vals: dict[int, Any] = {}
         for v in seg.inputs:
             rec0 = next(tape.records[k] for k in seg.records
@@ -379,17 +380,27 @@ def backward(tape: Tape, res: Residuals, out_cts: Sequence[Any], retain: bool = 
             ids = list(vals)
             barred, _ = lax.optimization_barrier((tuple(vals[i] for i in ids), tuple(trigger)))
             vals = dict(zip(ids, barred))
+        last: dict[int, int] = {}
+        for k in seg.records:
+            for u in tape.records[k].inputs:
+                if isinstance(u, Var):
+                    last[u.id] = k
         for k in seg.records:
             rec = tape.records[k]
             ins = [vals[u.id] if isinstance(u, Var) else u.value for u in rec.inputs]
             outs, derived = _run(rec, ins)
             for o, val in zip(rec.outputs, outs):
-                vals[o.id] = val
+                if o.id in wanted:
+                    recomputed[o.id] = val
+                if o.id in last:
+                    vals[o.id] = val
             for s in rec.saves:
                 if s.kind == "aux" and ("aux", k, s.index) in seg_of:
                     recomputed[("aux", k, s.index)] = derived[s.index]
-        for o in seg.outputs:
-            recomputed[o.id] = vals[o.id]
+            del ins, outs, derived
+            for u in rec.inputs:  # free intermediates at their last use
+                if isinstance(u, Var) and last.get(u.id) == k:
+                    vals.pop(u.id, None)
         for v in seg.inputs:
             release(v.id)
 

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from jax import tree_util
 
+from tapegrad._checkpoint import segment_peak
 from tapegrad._interpret import forward
 from tapegrad._tape import Tape, as_dtype
 from tapegrad.policies._base import is_plain, resolve_policy
@@ -198,7 +199,7 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
                 continue
             if key not in res.store and key in seg_of:
                 seg = tape.segments[seg_of[key]]
-                transient = sum(o.nbytes for i in seg.records for o in tape.records[i].outputs)
+                transient = segment_peak(tape, seg)
                 if not plain:
                     transient += sum(v.nbytes for v in seg.inputs)
                 peak = max(peak, live + transient)

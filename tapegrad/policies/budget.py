@@ -64,6 +64,8 @@ def _uses(tape: Tape) -> dict[Any, int]:
 
 def estimate(tape: Tape) -> tuple[int, float]:
     """(peak live activation-residual bytes, recompute flops) of a planned tape."""
+    from tapegrad._checkpoint import segment_peak
+
     inputs = {v.id for v in tape.inputs} | {v.id for v, _ in tape.consts}
     kept, seg_of = tape.residual_keys()
     size = {k: (0 if (isinstance(k, int) and k in inputs) else v.nbytes) for k, v in kept.items()}
@@ -95,8 +97,7 @@ def estimate(tape: Tape) -> tuple[int, float]:
                 continue
             done.add(seg.id)
             flops += sum(record_flops(tape.records[i]) for i in seg.records)
-            transient = sum(o.nbytes for i in seg.records for o in tape.records[i].outputs)
-            peak = max(peak, live + transient)
+            peak = max(peak, live + segment_peak(tape, seg))
             for o in seg.outputs:
                 extra[o.id] = o.nbytes
                 live += o.nbytes
@@ -135,9 +136,11 @@ class Budget:
            every ~S bytes, cut (the values crossing the cut are saved); the spans
            between cuts are recomputed, except the last ``k`` spans, which stay
            saved (cheaper, more memory). For each span size S (a geometric range)
-           the largest ``k`` that fits is found by bisection. Every candidate is
-           scored by `estimate` — the executor's own schedule — and the fitting
-           plan with the least recompute flops wins.
+           the largest ``k`` that fits is found by bisection.
+        3. And *ratio plans*: recompute records in order of flops per byte freed
+           (cheap elementwise ops first), the shortest fitting prefix.
+        Every candidate is scored by `estimate` — the executor's own schedule — and
+        the fitting plan with the least recompute flops wins.
         """
         from tapegrad._checkpoint import build_segments
 
@@ -178,17 +181,34 @@ class Budget:
             return {producer[v] for v, lu in last_use.items()
                     if lu > c and v in producer and producer[v] <= c}
 
+        # Bytes crossing each possible cut (values made at or before it, used after it):
+        # cuts go where little crosses, e.g. between transformer blocks.
+        delta = [0] * (n + 1)
+        for v, lu in last_use.items():
+            if v in producer and v not in inputs:
+                p0 = producer[v]
+                if lu > p0:
+                    nb = tape.records[p0].outputs[[o.id for o in tape.records[p0].outputs].index(v)].nbytes
+                    delta[p0] += nb
+                    delta[lu] -= nb
+        cross, run = [], 0
+        for i in range(n):
+            run += delta[i]
+            cross.append(run)
         total = max(sum(act), 1)
         best = None
         floor = peak
         sizes = sorted({max(1, int(total / 2 ** (k / 2))) for k in range(0, 25)})
         for size in sizes:
-            cuts, acc = [], 0
+            cuts, acc, start = [], 0, 0
             for i in range(n):
                 acc += act[i]
                 if acc >= size and i < n - 1:
-                    cuts.append(i)
-                    acc = 0
+                    # cut where the least crosses within the last span
+                    c = min(range(max(start, (start + i) // 2), i + 1), key=lambda j: (cross[j], -j))
+                    cuts.append(c)
+                    start = c + 1
+                    acc = sum(act[start:i + 1])
             spans = [(a + 1, b) for a, b in zip([-1] + cuts, cuts + [n - 1])]
             keep_at_cuts = set().union(*(crossing(c) for c in cuts)) if cuts else set()
 
@@ -216,6 +236,24 @@ class Budget:
                     hi = mid - 1
             if found is not None and (best is None or found[:2] < best[:2]):
                 best = found
+        # Ratio plans: recompute the records that free the most bytes per flop first
+        # (cheap elementwise ops before matmuls, as jax's dots_saveable does by hand);
+        # the shortest fitting prefix of that order, found by bisection.
+        ratio = sorted((i for i in range(n) if fixed[i] is None and act[i] > 0),
+                       key=lambda i: record_flops(tape.records[i]) / act[i])
+        lo, hi = 1, len(ratio)
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            chosen = set(ratio[:mid])
+            dec = with_fixed(["recompute" if i in chosen else "save" for i in range(n)])
+            p, f = estimate(planned(dec))
+            floor = min(floor, p)
+            if p <= self.bytes:
+                if best is None or (f, p) < best[:2]:
+                    best = (f, p, dec)
+                hi = mid - 1
+            else:
+                lo = mid + 1
         if best is None:
             raise BudgetError(
                 f"no save/recompute plan found that keeps activation residuals under "
