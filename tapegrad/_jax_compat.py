@@ -131,7 +131,9 @@ def custom_vjp_forward(params: dict, args: list, active: list[bool]):
     fwd_jaxpr, fwd_consts = params["fwd_jaxpr_thunk"].call_wrapped(*active[num_consts:])
     res_and_out = _core.eval_jaxpr(fwd_jaxpr, fwd_consts, *primals)
     _, res_tree, input_fwds = params["out_trees"]()
-    num_res_out = res_tree.num_leaves - sum(f is not None for f in input_fwds)
+    # The fwd jaxpr is memoized per perturbation pattern while out_trees keeps the
+    # last traced one, so count residuals from the jaxpr itself.
+    num_res_out = len(res_and_out) - len(params["call_jaxpr"].out_avals)
     res_out, outs = res_and_out[:num_res_out], res_and_out[num_res_out:]
     it = iter(res_out)
     res = [next(it) if f is None else primals[f] for f in input_fwds]
@@ -149,7 +151,7 @@ def custom_vjp_residual_avals(params: dict, active: list[bool]) -> list:
     num_consts = params["num_consts"]
     fwd_jaxpr, _ = params["fwd_jaxpr_thunk"].call_wrapped(*active[num_consts:])
     _, res_tree, input_fwds = params["out_trees"]()
-    num_res_out = res_tree.num_leaves - sum(f is not None for f in input_fwds)
+    num_res_out = len(fwd_jaxpr.outvars) - len(params["call_jaxpr"].out_avals)
     outs = [v.aval for v in fwd_jaxpr.outvars][:num_res_out]
     return outs, input_fwds
 

@@ -181,6 +181,9 @@ class Record:
 
     def params_str(self) -> str:
         items = []
+        if self.primitive == "custom_vjp_call":  # show the function (tg.Function class) name
+            from tapegrad.rules.control import custom_vjp_name
+            items.append(f"name={custom_vjp_name(self.params)}")
         for k, v in self.params.items():
             if k in ("jaxpr", "call_jaxpr", "jvp_jaxpr_fun", "fwd_jaxpr_thunk", "bwd",
                      "out_trees", "branches", "cond_jaxpr", "body_jaxpr", "_prim"):

@@ -8,6 +8,7 @@ goes. Signatures follow jax's.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable, Sequence
 
 import jax
@@ -15,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import tree_util
 
+from tapegrad import _anomaly
+from tapegrad import passes as _passes
 from tapegrad._checkpoint import plan_recompute
 from tapegrad._interpret import backward, forward
 from tapegrad._tape import Tape
@@ -91,7 +94,7 @@ class _Traced:
     """A traced function: its tape and how to map flat values back to pytrees."""
 
     def __init__(self, fun: Callable, args: tuple, active_leaf: Callable[[int], bool], has_aux: bool,
-                 fun_name: str, policy: Any = None):
+                 fun_name: str, policy: Any = None, passes: Any = None, anomaly: Any = None):
         flat, in_tree = tree_util.tree_flatten(args)
         _check_leaves(flat, fun_name)
         self.in_tree = in_tree
@@ -114,15 +117,33 @@ class _Traced:
             trees["n_out"] = len(out_flat)
             return out_flat + aux_flat
 
+        # jax names the traced function in its errors (a leaked tracer, a value needed
+        # concretely): name the user's function, keep the flat signature for arg names.
+        flat_fun.__signature__ = inspect.signature(flat_fun)
+        flat_fun.__wrapped__ = _user_function(fun)
         active = [active_leaf(i) for i in range(len(flat))]
-        self.tape: Tape = trace_flat(
-            flat_fun, flat, active,
-            diff_outputs=lambda n: [True] * trees["n_out"] + [False] * (n - trees["n_out"]),
-            in_tree=in_tree, out_tree_fn=lambda: trees["out"])
-        self.tape = plan_recompute(self.tape, policy)
+        with _anomaly.leak_check(anomaly, flat_fun.__wrapped__):
+            self.tape: Tape = trace_flat(
+                flat_fun, flat, active,
+                diff_outputs=lambda n: [True] * trees["n_out"] + [False] * (n - trees["n_out"]),
+                in_tree=in_tree, out_tree_fn=lambda: trees["out"])
+        self.tape = _passes.run(_passes.check_rules(self.tape), passes)
+        self.tape = _passes.check_effects(plan_recompute(self.tape, policy))
         self.out_tree = trees["out"]
         self.aux_tree = trees["aux"]
         self.n_out = trees["n_out"]
+
+
+def _user_function(fun: Callable) -> Callable:
+    """The function the user wrote, under partials and wrappers (for jax's error messages)."""
+    for _ in range(16):
+        if isinstance(fun, functools.partial):
+            fun = fun.func
+        elif getattr(fun, "__wrapped__", None) is not None:
+            fun = fun.__wrapped__
+        else:
+            break
+    return fun
 
 
 def _leaf_owners(args: tuple) -> list[int]:
@@ -133,17 +154,24 @@ def _leaf_owners(args: tuple) -> list[int]:
 
 
 def vjp(fun: Callable, *primals: Any, has_aux: bool = False, policy: Any = None,
-        retain_residuals: bool = True):
+        anomaly: Any = None, passes: Any = None, retain_residuals: bool = True):
     """Like `jax.vjp`: returns ``(out, vjp_fn)`` or ``(out, vjp_fn, aux)``.
 
     ``vjp_fn(ct)`` returns a tuple with one cotangent per primal. Residuals go
     through ``policy`` (default: the enclosing `tg.residual_policy`, else
     `tg.policies.save()`). With ``retain_residuals=False`` they are released
-    during the first backward, and a second call raises.
+    during the first backward, and a second call raises. ``anomaly=True`` checks
+    forward and backward for NaN (see `tg.detect_anomaly`); ``passes`` are tape
+    passes (`tg.passes`) run on the traced tape.
     """
     pol = resolve_policy(policy)
-    t = _Traced(fun, primals, lambda i: True, has_aux, "vjp", pol)
-    flat_out, res = forward(t.tape, t.flat, pol)
+    _anomaly.check_argument(anomaly)
+    mode = _anomaly.resolve(anomaly)
+    t = _Traced(fun, primals, lambda i: True, has_aux, "vjp", pol, passes, mode)
+    obs = _anomaly.observer(mode, t.tape, t.in_tree)  # None when anomaly mode is off
+    flat_out, res = forward(t.tape, t.flat, pol, observer=obs)
+    if obs is not None:
+        flat_out = obs.forward_done(t.flat, flat_out)
     out = tree_util.tree_unflatten(t.out_tree, flat_out[: t.n_out])
     tape, flat_primals, in_tree, out_tree = t.tape, t.flat, t.in_tree, t.out_tree
 
@@ -163,8 +191,13 @@ def vjp(fun: Callable, *primals: Any, has_aux: bool = False, policy: Any = None,
                 raise ValueError(
                     f"vjp_fn: cotangent dtype {jax.typeof(c).dtype} does not match the output's "
                     f"dtype {want}. Pass a cotangent of the output's dtype.")
+        bobs = obs.fresh() if obs is not None else None
+        if bobs is not None:
+            bobs.cotangents_in(ct_flat)
         in_cts = backward(tape, res, list(ct_flat) + [None] * (len(flat_out) - t.n_out),
-                          retain=retain_residuals)
+                          retain=retain_residuals, observer=bobs)
+        if bobs is not None:
+            in_cts = bobs.backward_done(in_cts)
         in_cts = [c if c is not None else _zero_cotangent(x) for c, x in zip(in_cts, flat_primals)]
         return tuple(tree_util.tree_unflatten(in_tree, in_cts))
 
@@ -175,9 +208,15 @@ def vjp(fun: Callable, *primals: Any, has_aux: bool = False, policy: Any = None,
 
 
 def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
-                   holomorphic: bool = False, allow_int: bool = False, *, policy: Any = None):
-    """Like `jax.value_and_grad`, on tapegrad's tape and rules."""
+                   holomorphic: bool = False, allow_int: bool = False, *, policy: Any = None,
+                   anomaly: Any = None, passes: Any = None):
+    """Like `jax.value_and_grad`, on tapegrad's tape and rules.
+
+    ``anomaly=True`` checks every record and VJP rule for NaN (`tg.detect_anomaly`);
+    ``passes`` are tape passes (`tg.passes`) run on the traced tape.
+    """
     single = isinstance(argnums, int)
+    _anomaly.check_argument(anomaly)
 
     @functools.wraps(fun)
     def value_and_grad_f(*args, **kwargs):
@@ -186,14 +225,28 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
         else:
             f = fun
         nums = _argnums_tuple(argnums, len(args), "grad")
-        owners = _leaf_owners(args)
         for i in nums:
             for x in tree_util.tree_leaves(args[i]):
                 if _is_array_leaf(x):
                     _check_input_dtype(x, allow_int, holomorphic, "grad")
         pol = resolve_policy(policy)
-        t = _Traced(f, args, lambda i: owners[i] in nums, has_aux, "grad", pol)
-        flat_out, res = forward(t.tape, t.flat, pol)
+        # Like jax.grad, only the differentiated arguments are traced; the others
+        # reach `fun` as they are (Python ints for loop bounds, strings, ...).
+        dyn = tuple(args[i] for i in nums)
+
+        def f_dyn(*d):
+            full = list(args)
+            for i, v in zip(nums, d):
+                full[i] = v
+            return f(*full)
+
+        f_dyn.__wrapped__ = f  # for the function name in jax's errors
+        mode = _anomaly.resolve(anomaly)
+        t = _Traced(f_dyn, dyn, lambda i: True, has_aux, "grad", pol, passes, mode)
+        obs = _anomaly.observer(mode, t.tape, t.in_tree)  # None when anomaly mode is off
+        flat_out, res = forward(t.tape, t.flat, pol, observer=obs)
+        if obs is not None:  # eagerly, a NaN in forward raises before backward runs
+            obs.forward_done(t.flat, defer_traced=True)
         is_leaf = tree_util.treedef_is_leaf(t.out_tree)  # like jax, {"loss": x} is not a scalar
         if t.n_out != 1 or not is_leaf or np.shape(flat_out[0]) != ():
             what = (f"Output had shape: {np.shape(flat_out[0])}" if t.n_out == 1 and is_leaf
@@ -220,11 +273,12 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
                 f"np.floating), but got {ydt.name}. For differentiation of functions with "
                 "integer outputs, use tg.vjp directly.")
         in_cts = backward(t.tape, res, [jnp.ones((), ydt)] + [None] * (len(flat_out) - 1),
-                          retain=False)
-        in_cts = [c if c is not None else (_zero_cotangent(x) if owners[i] in nums else None)
-                  for i, (c, x) in enumerate(zip(in_cts, t.flat))]
+                          retain=False, observer=obs)
+        if obs is not None:  # under a trace, ties the checks to the value and the gradients
+            y, *in_cts = obs.backward_done([y, *in_cts])
+        in_cts = [c if c is not None else _zero_cotangent(x) for c, x in zip(in_cts, t.flat)]
         ct_args = tree_util.tree_unflatten(t.in_tree, in_cts)
-        grads = ct_args[nums[0]] if single else tuple(ct_args[i] for i in nums)
+        grads = ct_args[0] if single else tuple(ct_args)
         if has_aux:
             aux = tree_util.tree_unflatten(t.aux_tree, flat_out[1:])
             return (y, aux), grads
@@ -234,14 +288,16 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
 
 
 def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
-         holomorphic: bool = False, allow_int: bool = False, *, policy: Any = None):
+         holomorphic: bool = False, allow_int: bool = False, *, policy: Any = None,
+         anomaly: Any = None, passes: Any = None):
     """Like `jax.grad`: the gradient of a scalar function, from tapegrad's tape.
 
     ```python
     g = tg.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w)))(w, x)
     ```
     """
-    vg = value_and_grad(fun, argnums, has_aux, holomorphic, allow_int, policy=policy)
+    vg = value_and_grad(fun, argnums, has_aux, holomorphic, allow_int, policy=policy,
+                        anomaly=anomaly, passes=passes)
 
     @functools.wraps(fun)
     def grad_f(*args, **kwargs):
@@ -253,7 +309,8 @@ def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
     return grad_f
 
 
-def trace(fun: Callable, argnums: int | Sequence[int] | None = None, *, policy: Any = None):
+def trace(fun: Callable, argnums: int | Sequence[int] | None = None, *, policy: Any = None,
+          passes: Any = None):
     """Like `jax.make_jaxpr`, but returns tapegrad's `Tape`.
 
     Inputs in ``argnums`` (default: every float input) are treated as
@@ -266,6 +323,6 @@ def trace(fun: Callable, argnums: int | Sequence[int] | None = None, *, policy: 
         owners = _leaf_owners(args)
         nums = None if argnums is None else _argnums_tuple(argnums, len(args), "trace")
         return _Traced(fun, args, lambda i: nums is None or owners[i] in nums, False,
-                       "trace", resolve_policy(policy)).tape
+                       "trace", resolve_policy(policy), passes).tape
 
     return trace_f

@@ -7,7 +7,9 @@ record and the user's source line, and say what to do.
 
 from __future__ import annotations
 
-__all__ = ["TapegradError", "NonDifferentiableError", "ResidualError", "HookError"]
+__all__ = ["TapegradError", "NonDifferentiableError", "ResidualError", "HookError",
+           "AnomalyError", "MissingRuleError", "EffectError", "TracerLeakError",
+           "GradcheckError", "DtypeError", "InvalidTapeError"]
 
 
 class TapegradError(Exception):
@@ -25,6 +27,51 @@ class ResidualError(TapegradError, RuntimeError):
 class HookError(TapegradError, RuntimeError):
     """A pack/unpack hook raised or misbehaved."""
 
+
+
+class AnomalyError(TapegradError, FloatingPointError):
+    """Anomaly detection found a NaN (or, with ``check_inf=True``, an Inf): in a record's
+    output in forward, or in a cotangent a VJP rule returned in backward.
+
+    Why `FloatingPointError` and not `RuntimeError` (PyTorch's choice): it is what jax's
+    own ``jax_debug_nans`` raises and what ``np.seterr(all="raise")`` raises, so code that
+    already catches NaN errors from jax or numpy catches tapegrad's too. Under `jax.jit`
+    the check runs in a host callback, and jax re-raises it as its own runtime error
+    (``jax.errors.JaxRuntimeError``, or `ValueError` from jax's C++ dispatch) whose
+    message carries this error's text (the record and its source line).
+    """
+
+
+class MissingRuleError(TapegradError, NotImplementedError):
+    """A primitive on the differentiated path has no reverse-mode rule: neither a tapegrad
+    rule nor a jax JVP rule to fall back on (a `NotImplementedError`, as jax raises)."""
+
+
+class EffectError(TapegradError, NotImplementedError):
+    """A side-effecting record (``io_callback``, ...) would run again when backward
+    recomputes its checkpointed segment, and could return a different value than in
+    forward (a `NotImplementedError`, as jax's ``checkpoint`` raises for effects)."""
+
+
+class TracerLeakError(TapegradError, TypeError):
+    """A value traced inside a tapegrad transform escaped it (stored in a global, a closure,
+    a list), found by ``tg.detect_anomaly(check_leaks=True)`` (a `TypeError`, like jax's
+    ``UnexpectedTracerError``)."""
+
+
+class GradcheckError(TapegradError, RuntimeError):
+    """`tg.gradcheck` / `tg.gradgradcheck` found analytical and numerical derivatives that
+    differ (a `RuntimeError`, like PyTorch's ``GradcheckError``)."""
+
+
+class DtypeError(TapegradError, TypeError):
+    """An input's dtype is unsuitable for the operation, e.g. float32 inputs to
+    `tg.gradcheck`, whose finite differences need float64."""
+
+
+class InvalidTapeError(TapegradError, ValueError):
+    """A tape pass returned something that is not a well-formed `Tape` (a value used
+    before it is defined, records out of order, ...)."""
 
 def where(record) -> str:
     """``'tanh' at file.py:12 (f)`` for error messages."""

@@ -51,7 +51,8 @@ class Rule:
       ``cts`` has one entry per output, None where the output got no cotangent.
     derive(record, ins) -> (outs, derived values): replaces the plain bind in
       forward when the rule keeps values the primitive does not output.
-    aux_avals(params, in_avals, out_avals, active) -> [(shape, dtype)] of derived values.
+    aux_avals(params, in_avals, out_avals, active) -> derived values' avals (objects with
+      ``.shape`` and ``.dtype``, e.g. `jax.ShapeDtypeStruct`).
     """
 
     name: str

@@ -100,9 +100,28 @@ def _cvjp_vjp(p, r, cts, active):
             f"{where(rec)}: a custom_vjp function closes over a value being "
             "differentiated. Pass it as an explicit argument of the custom_vjp function "
             "(jax raises the same CustomVJPException).")
-    full_cts = [c if c is not None else _zero_ct(o) for c, o in zip(cts, rec.outputs)]
+    full_cts = [c if c is not None else _missing_ct(p, o) for c, o in zip(cts, rec.outputs)]
     in_cts = compat.custom_vjp_backward(dict(p), list(r.aux), full_cts)
     return [None] * n + list(in_cts)
+
+
+def _missing_ct(p, aval):
+    # jax's contract for custom_vjp(..., symbolic_zeros=True): an output that received no
+    # cotangent reaches the user's bwd as a SymbolicZero, not as a zero array, so the bwd
+    # can tell "no cotangent" from "zero cotangent" (tg.Function's
+    # ctx.set_materialize_grads(False) relies on it).
+    if p.get("symbolic_zeros"):
+        return jax.custom_derivatives.SymbolicZero.from_primal_value(
+            jax.ShapeDtypeStruct(aval.shape, aval.dtype))
+    return _zero_ct(aval)
+
+
+def custom_vjp_name(params) -> str:
+    """The name of a ``custom_vjp_call`` record's function, as jax's jaxpr printer shows it
+    (``custom_vjp_call[name=LinearFn ...]``): a `tg.Function`'s class name, else the
+    decorated function's name. ``custom_vjp_name(record.params)``."""
+    debug = getattr(params["call_jaxpr"].jaxpr, "debug_info", None)
+    return getattr(debug, "func_name", None) or "<custom_vjp>"
 
 
 defrule(Rule("custom_vjp_call", _cvjp_saves, _cvjp_vjp, derive=_cvjp_derive,

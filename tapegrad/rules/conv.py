@@ -221,7 +221,8 @@ def _chosen_ct(g, choice, in_shape, p):
             start = _window_start(off, p)
             limit = _window_limit(start, out, p)
             part = lax.select(choice == k, g, jnp.zeros_like(g))
-            cfg = [(s, f - l, st - 1) for s, l, f, st in zip(start, limit, full, p["window_strides"])]
+            cfg = [(s, f - l, st - 1)
+                   for s, l, f, st in zip(start, limit, full, p["window_strides"])]
             ct = ct + lax.pad(part, zero, cfg)
     # Drop the padding (negative pads crop), then the base-dilation holes.
     ct = lax.pad(ct, zero, [(-lo, -hi, 0) for lo, hi in p["padding"]])

@@ -101,7 +101,10 @@ def _shift(x, axis, toward_end, fill):
 
 
 def _exclusive_cumprod(x, axis, reverse):
-    return _shift(lax.cumprod(x, axis=axis, reverse=reverse), axis, not reverse, 1)
+    # A parallel prefix scan rather than the cumprod primitive, whose CPU lowering
+    # (a reduce_window) is quadratic in the axis length.
+    prod = lax.associative_scan(lax.mul, x, reverse=reverse, axis=axis)
+    return _shift(prod, axis, not reverse, 1)
 
 
 def _prod_ct(g, r, p):
@@ -197,6 +200,8 @@ def _cumchooser_ct(g, r, p):
     cont = 1 - (code >> 1).astype(g.dtype)  # 1 where the plateau continues
     count = _linrec(cont, hit, axis, rev)
     share = jnp.where(count > 0, g / jnp.where(count > 0, count, 1), 0)
+    # Suffix sums that restart at each plateau (a scan, not a difference of
+    # cumulative sums, so long arrays lose no precision).
     total = _linrec(_shift(cont, axis, rev, 0), share, axis, not rev)
     return hit * total
 

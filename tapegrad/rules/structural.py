@@ -19,7 +19,17 @@ def _broadcast_in_dim(g, r, p):
 
 
 deflinear("broadcast_in_dim", _broadcast_in_dim, *([None] * 8))  # dynamic-shape operands: none
-deflinear("reshape", lambda g, r, p: g.reshape(r.in_avals[0].shape))
+def _reshape(g, r, p):
+    shape = r.in_avals[0].shape
+    dims = p.get("dimensions")
+    if dims is None:
+        return g.reshape(shape)
+    # lax.reshape(x, s, dimensions=d) reshapes transpose(x, d): undo both.
+    g = g.reshape(tuple(shape[d] for d in dims))
+    return lax.transpose(g, tuple(int(i) for i in np.argsort(dims)))
+
+
+deflinear("reshape", _reshape)
 deflinear("squeeze", lambda g, r, p: g.reshape(r.in_avals[0].shape))
 deflinear("expand_dims", lambda g, r, p: g.reshape(r.in_avals[0].shape))
 deflinear("transpose", lambda g, r, p: lax.transpose(g, tuple(int(i) for i in np.argsort(p["permutation"]))))
