@@ -306,7 +306,7 @@ def _saved_values(rec: Record, saves, keys, get) -> tuple[list, list, list]:
 
 
 def backward(tape: Tape, res: Residuals, out_cts: Sequence[Any], retain: bool = True,
-             observer: Any = None) -> list:
+             observer: Any = None, capture: dict[int, Any] | None = None) -> list:
     """Cotangents of the tape's inputs (None where an input gets none).
 
     ``observer.backward_record(record, cts, in_cts)``, if given, sees each rule's
@@ -416,6 +416,10 @@ def backward(tape: Tape, res: Residuals, out_cts: Sequence[Any], retain: bool = 
                     if key not in unpacked and key in store:
                         unpacked[key] = _unpack(res, nxt, key, s)
         gs = [cts.pop(o.id, None) for o in rec.outputs]
+        if capture is not None:  # retained intermediate cotangents (tg.grad(intermediates=))
+            for o, g in zip(rec.outputs, gs):
+                if o.id in capture:
+                    capture[o.id] = g
         trigger[:] = [g for g in gs if g is not None]
         if any(g is not None for g in gs):
             x, y, aux = _saved_values(rec, rec.saves, keys, get)

@@ -20,7 +20,7 @@ import numpy as np
 
 from tapegrad import _jax_compat as compat
 from tapegrad._tape import Lit, Record, Region, Saved, Tape, Var, as_dtype, frozen_params
-from tapegrad.errors import NonDifferentiableError, where
+from tapegrad.errors import NonDifferentiableError, ReverseModeError, where
 from tapegrad.rules import FALLBACK, NONDIFF, WHILE_ERROR, lookup
 
 __all__ = ["trace_flat", "is_differentiable_dtype"]
@@ -176,7 +176,7 @@ def trace_flat(
         proto = Record(k, raw.name, tuple(raw.inputs), tuple(raw.outputs), params,
                        active=act, rule=rule.kind, prim=raw.prim, source_info=raw.source_info)
         if rule.kind == "error":
-            raise NonDifferentiableError(WHILE_ERROR(proto))
+            raise ReverseModeError(WHILE_ERROR(proto))
         refs = rule.saves(params, proto.inputs, proto.outputs, act)
         aux = list(rule.aux_avals(params, proto.inputs, proto.outputs, act)) if rule.aux_avals else []
         saves = []

@@ -209,8 +209,11 @@ def vjp(fun: Callable, *primals: Any, has_aux: bool = False, policy: Any = None,
 
 def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
                    holomorphic: bool = False, allow_int: bool = False, *, policy: Any = None,
-                   anomaly: Any = None, passes: Any = None):
+                   anomaly: Any = None, passes: Any = None, intermediates: Sequence[str] = ()):
     """Like `jax.value_and_grad`, on tapegrad's tape and rules.
+
+    ``intermediates=("h1", ...)`` also returns the cotangents of values tagged with
+    `tg.name` (PyTorch's ``retain_grad``): the gradient becomes ``(grads, {name: ct})``.
 
     ``anomaly=True`` checks every record and VJP rule for NaN (`tg.detect_anomaly`);
     ``passes`` are tape passes (`tg.passes`) run on the traced tape.
@@ -272,13 +275,16 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
                 "grad requires real-valued outputs (output dtype that is a sub-dtype of "
                 f"np.floating), but got {ydt.name}. For differentiation of functions with "
                 "integer outputs, use tg.vjp directly.")
+        capture = _named_vars(t.tape, intermediates)
         in_cts = backward(t.tape, res, [jnp.ones((), ydt)] + [None] * (len(flat_out) - 1),
-                          retain=False, observer=obs)
+                          retain=False, observer=obs, capture=capture)
         if obs is not None:  # under a trace, ties the checks to the value and the gradients
             y, *in_cts = obs.backward_done([y, *in_cts])
         in_cts = [c if c is not None else _zero_cotangent(x) for c, x in zip(in_cts, t.flat)]
         ct_args = tree_util.tree_unflatten(t.in_tree, in_cts)
         grads = ct_args[0] if single else tuple(ct_args)
+        if intermediates:
+            grads = (grads, _captured(t.tape, capture, intermediates))
         if has_aux:
             aux = tree_util.tree_unflatten(t.aux_tree, flat_out[1:])
             return (y, aux), grads
@@ -287,9 +293,31 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
     return value_and_grad_f
 
 
+def _named_vars(tape: Tape, names: Sequence[str]) -> dict[int, Any] | None:
+    if not names:
+        return None
+    found = {n: r.outputs[0] for r in tape.records for n in r.names}
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise ValueError(
+            f"intermediates={tuple(names)}: no value is tagged {missing} in this function "
+            f"(tagged: {sorted(found) or 'none'}). Tag a value with tg.name(x, \"...\").")
+    return {found[n].id: None for n in names}
+
+
+def _captured(tape: Tape, capture: dict[int, Any], names: Sequence[str]) -> dict[str, Any]:
+    found = {n: r.outputs[0] for r in tape.records for n in r.names}
+    out = {}
+    for n in names:
+        v = found[n]
+        ct = capture.get(v.id)
+        out[n] = ct if ct is not None else jnp.zeros(v.shape, v.dtype)
+    return out
+
+
 def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
          holomorphic: bool = False, allow_int: bool = False, *, policy: Any = None,
-         anomaly: Any = None, passes: Any = None):
+         anomaly: Any = None, passes: Any = None, intermediates: Sequence[str] = ()):
     """Like `jax.grad`: the gradient of a scalar function, from tapegrad's tape.
 
     ```python
@@ -297,7 +325,7 @@ def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
     ```
     """
     vg = value_and_grad(fun, argnums, has_aux, holomorphic, allow_int, policy=policy,
-                        anomaly=anomaly, passes=passes)
+                        anomaly=anomaly, passes=passes, intermediates=intermediates)
 
     @functools.wraps(fun)
     def grad_f(*args, **kwargs):

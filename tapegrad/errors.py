@@ -7,7 +7,7 @@ record and the user's source line, and say what to do.
 
 from __future__ import annotations
 
-__all__ = ["TapegradError", "NonDifferentiableError", "ResidualError", "HookError",
+__all__ = ["ReverseModeError", "TapegradError", "NonDifferentiableError", "ResidualError", "HookError",
            "AnomalyError", "MissingRuleError", "EffectError", "TracerLeakError",
            "GradcheckError", "DtypeError", "InvalidTapeError"]
 
@@ -18,6 +18,11 @@ class TapegradError(Exception):
 
 class NonDifferentiableError(TapegradError, TypeError):
     """A primitive on the path to the output cannot be differentiated in reverse mode."""
+
+
+class ReverseModeError(NonDifferentiableError, ValueError):
+    """A primitive jax can differentiate forward but not in reverse (``while`` with a
+    dynamic trip count). Also a ValueError, the type jax raises for the same code."""
 
 
 class ResidualError(TapegradError, RuntimeError):
