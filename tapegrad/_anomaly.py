@@ -15,9 +15,10 @@ fails is reported with the record, its source line, and the records that
 fed it, like PyTorch's ``detect_anomaly`` ("Function 'LogBackward0' returned
 nan values in its 0th output" plus the forward traceback).
 
-How it stays cheap: each check is one fused ``isnan(x).any()`` reduction on
-device, giving a one-byte code; the codes of a whole forward (or backward)
-pass travel to the host together, once per pass. Eagerly they are fetched
+How it stays cheap: each check is one fused ``max(abs(x))`` reduction on
+device (NaN if ``x`` has a NaN, inf if it has an Inf), giving one float per
+value; those of a whole forward (or backward) pass travel to the host
+together, once per pass. Eagerly they are fetched
 and checked at the end of the pass (forward before backward starts). Under a
 trace (`jax.jit`, `jax.vmap`, an outer `jax.grad`) they feed one host
 callback per pass, inside a ``lax.cond`` so that it is only called when a
@@ -27,8 +28,8 @@ Why a callback and not `checkify`: a `checkify.check` inside a plain
 ``jax.jit(tg.grad(f))`` is refused at trace time ("Cannot abstractly evaluate
 a checkify.check which was not functionalized") unless the user also wraps the
 function in ``checkify.checkify`` and calls ``err.throw()``; a callback works
-under a plain ``jax.jit``, ``vmap`` and nested ``grad`` and moves only the
-codes (bytes) to the host. Why `jax.pure_callback` tied to the outputs rather
+under a plain ``jax.jit``, ``vmap`` and nested ``grad`` and moves only one
+float per checked value to the host. Why `jax.pure_callback` tied to the outputs rather
 than `jax.debug.callback`: see `_stage`. The price of callbacks: jax re-raises
 an error from a callback as its own runtime error whose message carries the
 `AnomalyError`'s text (``jax.errors.JaxRuntimeError``, a `RuntimeError`, from
@@ -215,21 +216,26 @@ def leak_check(mode: AnomalyMode | None, fun: Any) -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------
-# Checks: one int8 code per checked value, computed on device.
+# Checks: one float32 "probe" per checked value, computed on device.
 
 OK, NAN, INF = 0, 1, 2
 
 
-def _code(x, check_nan: bool, check_inf: bool):
-    c = jnp.int8(OK)
-    if check_inf:
-        c = jnp.where(jnp.any(jnp.isinf(x)), jnp.int8(INF), c)
-    if check_nan:
-        c = jnp.where(jnp.any(jnp.isnan(x)), jnp.int8(NAN), c)
-    return c
+def _probe(x):
+    """``max |x|`` as a float32 scalar: NaN if ``x`` has a NaN (XLA's max propagates NaN),
+    +inf if it has an Inf and no NaN, finite otherwise.
+
+    One fused reduction that reads ``x`` once; ``any(isnan(x))`` costs a boolean array and
+    more kernels on CPU. A finite float64 maximum is reported as 0 so that the cast to
+    float32 cannot overflow into a false Inf.
+    """
+    m = jnp.max(jnp.abs(x), initial=0)
+    if jnp.dtype(m.dtype).itemsize > 4:
+        m = jnp.where(jnp.isfinite(m), jnp.zeros((), m.dtype), m)
+    return m.astype(jnp.float32)
 
 
-_code_jit = jax.jit(_code, static_argnums=(1, 2))  # eagerly: one dispatch per value
+_probe_jit = jax.jit(_probe)  # eagerly: one dispatch per checked value
 
 
 def checkable(x) -> bool:
@@ -238,14 +244,25 @@ def checkable(x) -> bool:
 
 
 def code_of(x, mode: AnomalyMode):
+    """The probe of one value (the mode is applied when probes become codes)."""
     if isinstance(x, jax.core.Tracer):
-        return _code(x, mode.check_nan, mode.check_inf)
-    return _code_jit(x, mode.check_nan, mode.check_inf)
+        return _probe(x)
+    return _probe_jit(x)
 
 
-def first_bad(codes, n: int) -> tuple[int, int] | None:
-    """(site index, code) of the first failed check; ``codes`` may carry batch dims (vmap)."""
-    c = np.asarray(codes).reshape(-1, n)
+def codes_of(probes, mode: AnomalyMode) -> np.ndarray:
+    p = np.asarray(probes, np.float32)
+    c = np.zeros(p.shape, np.int8)
+    if mode.check_inf:
+        c[np.isinf(p)] = INF
+    if mode.check_nan:
+        c[np.isnan(p)] = NAN
+    return c
+
+
+def first_bad(probes, n: int, mode: AnomalyMode) -> tuple[int, int] | None:
+    """(site index, code) of the first failed check; ``probes`` may carry batch dims (vmap)."""
+    c = codes_of(probes, mode).reshape(-1, n)
     per_site = np.where((c == NAN).any(axis=0), NAN, c.max(axis=0))
     bad = np.flatnonzero(per_site)
     return None if bad.size == 0 else (int(bad[0]), int(per_site[bad[0]]))
@@ -359,7 +376,7 @@ class _Report:
         self.sites, self.producers, self.mode = tuple(sites), producers, mode
 
     def __call__(self, codes, traced: bool = True) -> None:
-        hit = first_bad(codes, len(self.sites))
+        hit = first_bad(codes, len(self.sites), self.mode)
         if hit is not None:
             k, code = hit
             raise AnomalyError(message(self.sites[k], code, self.producers, self.mode, traced))
@@ -379,21 +396,29 @@ def emit(sites: Sequence[Site], codes: list, producers: dict[int, Record], mode:
     if not any(isinstance(c, jax.core.Tracer) for c in codes):
         report(np.asarray(jax.device_get(codes)), traced=False)
         return values
-    flags = jnp.stack(codes)
-    tied, ok = _tie(_stage(report, flags), values)
-    if not ok:  # nothing to tie the check to: an effectful callback, never removed
-        jax.debug.callback(functools.partial(report, traced=True), flags)
-    return tied
+    probes = lax.stop_gradient(jnp.stack(codes))  # under an outer jax.grad: no tangent
+    bad = jnp.zeros((), bool)
+    if mode.check_nan:
+        bad = bad | jnp.any(jnp.isnan(probes))
+    if mode.check_inf:
+        bad = bad | jnp.any(jnp.isinf(probes))
+    if not any(_tieable(v) for v in values):
+        # Nothing to tie the check to: an effectful callback, which is never removed.
+        jax.debug.callback(functools.partial(report, traced=True), probes)
+        return values
+    return _tie(_stage(report, bad, probes), values)
 
 
-def _stage(report: _Report, flags):
-    """Under a trace: a host callback, called only when some code is non-zero.
+def _stage(report: _Report, bad, probes):
+    """Under a trace: a host callback, called only when some check failed.
 
     Why `pure_callback` inside `lax.cond`, tied to the outputs, and not a plain
-    `jax.debug.callback`: a debug callback is an effect, and jax runs programs
-    with effects through its slower Python dispatch path; on the CPU benchmark
-    MLP that alone cost ~1 ms per call (1.4-1.8x). A pure callback is no effect;
-    inside the cond it is not even called while every check passes.
+    `jax.debug.callback`: inside the cond the callback is not even called while
+    every check passes, so no host round trip per call; and an effect-free
+    program keeps XLA's scheduling freedom. (Any host callback still makes jax
+    dispatch the compiled call through its Python path rather than its C++ fast
+    path: a fixed ~0.5 ms per call on CPU, which is most of the jit overhead on
+    the small benchmark MLP and negligible on large programs.)
     """
     def host(codes):
         report(codes, traced=True)
@@ -403,21 +428,26 @@ def _stage(report: _Report, flags):
         return jax.pure_callback(host, jax.ShapeDtypeStruct((), jnp.int8), f,
                                  vmap_method="sequential")
 
-    return lax.cond(jnp.any(flags != OK), call, lambda f: jnp.zeros((), jnp.int8), flags)
+    return lax.cond(bad, call, lambda f: jnp.zeros((), jnp.int8), probes)
 
 
-def _tie(ok, values: list) -> tuple[list, bool]:
+def _tieable(v) -> bool:
+    return isinstance(v, jax.core.Tracer) and checkable(v) and np.size(v) > 0
+
+
+def _tie(ok, values: list) -> list:
     """Make each floating output depend on ``ok`` (0 when the checks passed), so neither
-    jax nor XLA drops the check as dead code: element 0 of each array is rewritten
-    in place to itself (``select(ok == 0, x[0], nan)``), which leaves values unchanged."""
-    out, tied = [], False
+    jax nor XLA drops the check as dead code (an optimization barrier would not do:
+    XLA's CPU and GPU pipelines expand barriers before dead-code elimination). Element
+    0 of each array is rewritten in place to itself (``select(ok == 0, x[0], nan)``):
+    values are unchanged, and the cost is one scalar per output."""
+    out = []
     for v in values:
-        if isinstance(v, jax.core.Tracer) and checkable(v) and np.size(v) > 0:
+        if _tieable(v):
             idx = (0,) * np.ndim(v)
             v = v.at[idx].set(lax.select(ok == 0, v[idx], jnp.full((), jnp.nan, v.dtype)))
-            tied = True
         out.append(v)
-    return out, tied
+    return out
 
 
 # ---------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """gradcheck / gradgradcheck: tapegrad's derivatives against central finite differences.
 
 ```python
-x = np.random.randn(3, 4)                   # float64 (numpy): no global x64 needed
-assert tg.gradcheck(lambda x: jnp.tanh(x) @ w, (x,))
+x, w = np.random.randn(3, 4), np.random.randn(4, 2)   # float64 numpy: no global x64 needed
+assert tg.gradcheck(lambda x, w: jnp.tanh(x @ w), (x, w))
 assert tg.gradgradcheck(lambda x: jnp.sum(jnp.sin(x) ** 2), (x,))
 ```
 

@@ -59,7 +59,11 @@ def _argnums_tuple(argnums: int | Sequence[int], n_args: int, fun_name: str) -> 
                 f"{fun_name}: argnums={argnums} is out of range for a function called with "
                 f"{n_args} positional argument(s). Pass argnums within range({-n_args}, "
                 f"{n_args}).")
-    return tuple(int(a) % n_args for a in nums)
+    out = tuple(int(a) % n_args for a in nums)
+    if len(set(out)) != len(out):
+        raise ValueError(f"{fun_name}: argnums={argnums} names an argument twice. "
+                         "Pass each argument index once.")
+    return out
 
 
 def _dtype_of(x):

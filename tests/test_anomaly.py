@@ -187,6 +187,15 @@ def test_under_jit_backward_raises_naming_the_source():
     assert "backward of 'integer_pow'" in msg and line_of("# SQUARE") in msg
 
 
+def test_under_jit_the_check_survives_when_only_part_of_the_result_is_used():
+    two = lambda x, w: jnp.sum(jnp.log((x * w) ** 2))  # noqa: E731
+    only_dw = jax.jit(lambda x, w: tg.grad(two, argnums=(0, 1), anomaly=True)(x, w)[1])
+    msg = _runtime_error_text(lambda: only_dw(X0, jnp.ones(3)))
+    assert "backward of 'integer_pow'" in msg
+    only_value = jax.jit(lambda x: tg.value_and_grad(log_of_shifted, anomaly=True)(x)[0])
+    assert "NaN in the output of 'log'" in _runtime_error_text(lambda: only_value(X0))
+
+
 def test_under_jit_vjp():
     def run(x):
         out, vjp_fn = tg.vjp(log_of_square, x, anomaly=True)

@@ -356,21 +356,12 @@ def test_the_builder_is_what_it_says():
     np.testing.assert_allclose(build(prog)(x, w), want, rtol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError, reason=(
-    "Found by this fuzzer: offload() packs a differentiated input as it was passed, and a "
-    "numpy array or Python scalar has no .sharding (tapegrad/policies/offload.py _move); "
-    "jax.device_put(x) first, or convert the tape's inputs to jax arrays, would fix it."))
 def test_offload_of_a_non_jax_array_input():
     f = lambda x: jnp.sum(jnp.abs(x))  # noqa: E731  (abs saves its input)
     x = np.array([1.0, -2.0], np.float32)
     np.testing.assert_array_equal(tg.grad(f, policy=tg.policies.offload())(x), jax.grad(f)(x))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Found by this fuzzer: with argnums=(0, 0), tg.grad returns (zeros, g) -- a wrong "
-    "gradient for the first entry (tapegrad/_transforms.py value_and_grad: f_dyn writes both "
-    "traced copies into args[0], the second wins). jax.grad raises (an obscure TypeError); "
-    "tapegrad should raise a clear error or return (g, g)."))
 def test_duplicate_argnums():
     f = lambda x, y: jnp.sum(x * 3.0 + y)  # noqa: E731
     try:

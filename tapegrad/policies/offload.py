@@ -15,6 +15,8 @@ _SPACES = {"pinned_host": "Host", "unpinned_host": "Host", "device": "Device"}
 
 
 def _move(x, memory_kind: str):
+    if not isinstance(x, jax.Array):
+        x = jax.device_put(x)  # numpy arrays and Python scalars: a device array first
     if isinstance(x, jax.core.Tracer):
         # Under a trace there is no concrete sharding to re-target; jax's memory
         # spaces say "host" / "device" and keep the value's sharding.
