@@ -168,7 +168,11 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
             orig += info.nbytes if info is not None else d + h
             if want is not None and any(dt != want for dt in dts):
                 comp += d + h
-        rows.append(RecordMemory(rec.index, rec.primitive, rec.source,
+        label = rec.primitive
+        if label == "custom_vjp_call":  # show a tg.Function / custom_vjp by its name
+            from tapegrad.rules.control import custom_vjp_name
+            label = custom_vjp_name(rec.params)
+        rows.append(RecordMemory(rec.index, label, rec.source,
                                  ",".join(map(str, rec.saves)) or "(segment input)",
                                  dev, host, comp, orig))
 

@@ -895,3 +895,20 @@ def test_argument_mixing_arrays_and_python_values_raises():
     with pytest.raises(TypeError, match=r"LinearFn\.apply: argument 0 \('x'\) mixes arrays and "
                                         "non-array values"):
         LinearFn.apply((jnp.ones((2, 3)), 1.0), jnp.ones((5, 3)))
+
+
+def test_memory_report_names_the_function():
+    class Sq(tg.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * x
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return 2 * x * g
+
+    rep = tg.memory_report(lambda x: jnp.sum(Sq.apply(jnp.sin(x))))(jnp.ones(4))
+    assert any(r.primitive == "Sq" and r.bytes == 16 for r in rep.records)
+    assert "name=Sq" in str(tg.trace(lambda x: jnp.sum(Sq.apply(x)))(jnp.ones(4)))
