@@ -33,6 +33,13 @@ POLICIES = {
 }
 
 
+def paired_ratio(fn, base, rounds: int, reps: int) -> float:
+    """Median over rounds of time(fn) / time(base), the two timed back to back."""
+    import statistics
+
+    return statistics.median(timeit(fn, reps) / timeit(base, reps) for _ in range(rounds))
+
+
 def rel_err(g, ref) -> float:
     num = sum(float(np.sum((np.asarray(a, np.float64) - b) ** 2)) for a, b in
               zip(jax.tree.leaves(g), jax.tree.leaves(ref)))
@@ -70,7 +77,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     a = ap.parse_args()
-    reps_e, reps_j = (3, 10) if a.quick else (10, 100)
+    reps_e, reps_j = (3, 10) if a.quick else (5, 30)
+    rounds = 3 if a.quick else 5
     k = jax.random.split(jax.random.key(0), 4)
     arrays, heads = split_static(transformer_params(k[0]))
     tloss = lambda p, x: transformer_loss({**p, "heads": heads}, x)  # noqa: E731
@@ -92,12 +100,15 @@ def main():
               f"{'grad rel err':>13}")
         for pname, pol in POLICIES.items():
             rep = tg.memory_report(f, policy=pol)(params, x)
-            e = timeit(lambda: tg.grad(f, policy=pol)(params, x), reps_e)
             jf = jax.jit(tg.grad(f, policy=pol))
-            j = timeit(lambda: jf(params, x), reps_j)
+            # Interleave with save() and take the median of per-round ratios: a shared
+            # machine drifts, and back-to-back medians of separate runs do not cancel it.
+            e = paired_ratio(lambda: tg.grad(f, policy=pol)(params, x),
+                             lambda: tg.grad(f)(params, x), rounds, reps_e)
+            j = paired_ratio(lambda: jf(params, x), lambda: j_base_f(params, x), rounds, reps_j)
             err = rel_err(jf(params, x), ref)
             print(f"{pname:<10} {rep.device_bytes:>12,} {rep.device_bytes / base.device_bytes:>7.2f}x "
-                  f"{rep.host_bytes:>12,} {e / e_base:>6.2f}x {j / j_base:>6.2f}x {err:>13.2e}")
+                  f"{rep.host_bytes:>12,} {e:>6.2f}x {j:>6.2f}x {err:>13.2e}")
 
     print("\nTraining: 200 Adam steps (lr 1e-3) on an 8-layer tanh regression MLP "
           "(256 wide, 1024 examples, target sin(x @ R)), jit")
