@@ -11,7 +11,6 @@ minus the output. Inputs already alive are not counted, for either library.
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import platform
 import statistics

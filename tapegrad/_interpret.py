@@ -47,12 +47,6 @@ class Residuals:
         self.plain = False
 
 
-def _key(rec: Record, kind: str, idx: int):
-    if kind == "aux":
-        return ("aux", rec.index, idx)  # the same key as Tape.residual_keys
-    return (rec.inputs[idx] if kind == "in" else rec.outputs[idx]).id
-
-
 def _bind(rec: Record, ins: list) -> list:
     out = rec.prim.bind(*ins, **rec.bind_params)
     return list(out) if rec.prim.multiple_results else [out]
@@ -197,7 +191,7 @@ def forward(tape: Tape, args: Sequence[Any], policy: Any = SAVE,
         if rec.saves:
             keys = []
             for s in rec.saves:
-                key = _key(rec, s.kind, s.index)
+                key = rec.residual_key(s)
                 keys.append(key)
                 if key in store or key in recomputed:
                     refs[key] = refs.get(key, 0) + 1
@@ -395,8 +389,8 @@ def backward(tape: Tape, res: Residuals, out_cts: Sequence[Any], retain: bool = 
                 if o.id in last:
                     vals[o.id] = val
             for s in rec.saves:
-                if s.kind == "aux" and ("aux", k, s.index) in seg_of:
-                    recomputed[("aux", k, s.index)] = derived[s.index]
+                if s.kind == "aux" and rec.residual_key(s) in seg_of:
+                    recomputed[rec.residual_key(s)] = derived[s.index]
             del ins, outs, derived
             for u in rec.inputs:  # free intermediates at their last use
                 if isinstance(u, Var) and last.get(u.id) == k:

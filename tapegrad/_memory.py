@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import jax
-import numpy as np
 from jax import tree_util
 
 from tapegrad._checkpoint import segment_peak
@@ -140,8 +139,7 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
     owner: dict[Any, int] = {}
     for rec in tape.records:
         for s_ in rec.saves:
-            key = ("aux", rec.index, s_.index) if s_.kind == "aux" else (
-                rec.inputs[s_.index] if s_.kind == "in" else rec.outputs[s_.index]).id
+            key = rec.residual_key(s_)
             owner.setdefault(key, producer.get(key, rec.index))
     for seg in tape.segments:
         for v in seg.inputs:
@@ -211,9 +209,10 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
                     extra[o.id] = o.nbytes
                     live += o.nbytes
                 for i in seg.records:
-                    for a in tape.records[i].saves:
-                        if a.kind == "aux" and ("aux", i, a.index) in seg_of:
-                            extra[("aux", i, a.index)] = a.nbytes
+                    r = tape.records[i]
+                    for a in r.saves:
+                        if a.kind == "aux" and r.residual_key(a) in seg_of:
+                            extra[r.residual_key(a)] = a.nbytes
                             live += a.nbytes
                 for v in seg.inputs:
                     release(v.id)

@@ -175,6 +175,14 @@ class Record:
     def saved_bytes(self) -> int:
         return sum(s.nbytes for s in self.saves)
 
+    def residual_key(self, s: Saved) -> Any:
+        """The key of one of this record's residuals: the `Var` id for an input or
+        output (shared by every record saving that value), ``("aux", record, k)``
+        for a derived value."""
+        if s.kind == "aux":
+            return ("aux", self.index, s.index)
+        return (self.inputs[s.index] if s.kind == "in" else self.outputs[s.index]).id
+
     @property
     def in_backward(self) -> bool:
         return self.rule != "none"
@@ -268,18 +276,14 @@ class Tape:
                 rec = self.records[i]
                 for s in rec.saves:
                     if s.kind == "aux":
-                        recomputed[("aux", i, s.index)] = seg.id
+                        recomputed[rec.residual_key(s)] = seg.id
         kept: dict[Any, Any] = {}
         for rec in self.records:
             for s in rec.saves:
-                if s.kind == "aux":
-                    key = ("aux", rec.index, s.index)
-                    if key not in recomputed:
-                        kept.setdefault(key, s)
-                    continue
-                v = rec.inputs[s.index] if s.kind == "in" else rec.outputs[s.index]
-                if isinstance(v, Var) and v.id not in recomputed:
-                    kept.setdefault(v.id, v)
+                key = rec.residual_key(s)
+                if key not in recomputed:
+                    kept.setdefault(key, s if s.kind == "aux" else
+                                    (rec.inputs[s.index] if s.kind == "in" else rec.outputs[s.index]))
         for seg in self.segments:
             for v in seg.inputs:
                 kept.setdefault(v.id, v)

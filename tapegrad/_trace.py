@@ -16,11 +16,10 @@ import itertools
 from typing import Any, Callable, Sequence
 
 import jax
-import numpy as np
 
 from tapegrad import _jax_compat as compat
 from tapegrad._tape import Lit, Record, Region, Saved, Tape, Var, as_dtype, frozen_params
-from tapegrad.errors import NonDifferentiableError, ReverseModeError, where
+from tapegrad.errors import ReverseModeError
 from tapegrad.rules import FALLBACK, NONDIFF, WHILE_ERROR, lookup
 
 __all__ = ["trace_flat", "is_differentiable_dtype"]
@@ -207,6 +206,3 @@ def trace_flat(
         regions=tuple(b.regions),
     )
 
-
-def describe_nondiff(record: Record, why: str) -> str:
-    return f"cannot differentiate {where(record)}: {why}"

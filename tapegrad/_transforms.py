@@ -21,7 +21,7 @@ from tapegrad import passes as _passes
 from tapegrad._checkpoint import plan_recompute
 from tapegrad._interpret import backward, forward
 from tapegrad._tape import Tape
-from tapegrad._trace import is_differentiable_dtype, trace_flat
+from tapegrad._trace import trace_flat
 from tapegrad.policies._base import resolve_policy
 
 __all__ = ["grad", "value_and_grad", "vjp", "trace"]

@@ -19,7 +19,6 @@ it is not the optimal dynamic program on chains (revolve), left as future work.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Sequence
 
 import numpy as np
@@ -53,8 +52,7 @@ def _uses(tape: Tape) -> dict[Any, int]:
         if rec.rule == "none":
             continue
         for s in rec.saves:
-            key = ("aux", rec.index, s.index) if s.kind == "aux" else (
-                rec.inputs[s.index] if s.kind == "in" else rec.outputs[s.index]).id
+            key = rec.residual_key(s)
             uses[key] = uses.get(key, 0) + 1
     for seg in tape.segments:
         for v in seg.inputs:
@@ -87,8 +85,7 @@ def estimate(tape: Tape) -> tuple[int, float]:
             continue
         keys = []
         for s in rec.saves:
-            key = ("aux", rec.index, s.index) if s.kind == "aux" else (
-                rec.inputs[s.index] if s.kind == "in" else rec.outputs[s.index]).id
+            key = rec.residual_key(s)
             keys.append(key)
             if key in extra or key in size or key not in seg_of:
                 continue
@@ -264,23 +261,6 @@ class Budget:
         self.last = {"peak_bytes": peak, "recompute_flops": flops, "plan": "cuts"}
         return dec
 
-    @staticmethod
-    def _candidates(tape: Tape) -> set[int]:
-        """Records whose decision can change memory: producers of kept residual values."""
-        producer = {o.id: r.index for r in tape.records for o in r.outputs}
-        out: set[int] = set()
-        for rec in tape.records:
-            if rec.rule == "none":
-                continue
-            for s in rec.saves:
-                if s.kind == "aux":
-                    out.add(rec.index)
-                    continue
-                v = rec.inputs[s.index] if s.kind == "in" else rec.outputs[s.index]
-                if isinstance(v, Var) and v.id in producer:
-                    out.add(producer[v.id])
-        return out
-
     def __repr__(self) -> str:
         return f"budget(bytes={self.bytes:,}, base={self.base!r})"
 
@@ -296,5 +276,3 @@ def budget(bytes: int, base: Any = None) -> Budget:
     """
     return Budget(bytes, base)
 
-
-del math
