@@ -16,7 +16,7 @@ from tapegrad.errors import (AnomalyError, DtypeError, EffectError, GradcheckErr
 from tapegrad.policies import (ResidualInfo, disable_saved_tensors_hooks, residual_policy,
                                saved_tensors_hooks)
 
-__version__ = "0.1.0"
+from tapegrad._version import __version__
 
 __all__ = [
     "CheckpointPolicy", "checkpoint", "checkpoint_sequential", "name", "selective",
