@@ -10,7 +10,6 @@ device copies that unpacking brings back while a record needs them.
 from __future__ import annotations
 
 import functools
-import html
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -65,52 +64,100 @@ class MemoryReport:
     input_bytes: int
     timeline: tuple[tuple[str, int], ...] = field(repr=False)
     tape: Tape = field(repr=False, default=None)
+    # The same timeline split by where the bytes live: (device, host, compressed) per
+    # step, summing to ``timeline``'s bytes. Compressed residuals count as compressed
+    # wherever they live; unpacked copies and recomputed values count as device.
+    timeline_kinds: tuple[tuple[int, int, int], ...] = field(repr=False, default=())
+    # Residual bytes that are the tape's own inputs: the timeline's floor, which a
+    # budget does not count.
+    input_residual_bytes: int = 0
+    # The planner's budget (activation bytes) when a `tg.policies.budget` chose the plan.
+    budget_bytes: int | None = None
 
     def __str__(self) -> str:
-        lines = [f"memory_report(policy={self.policy!r}): {self.residual_bytes:,} residual bytes "
-                 f"({self.device_bytes:,} device, {self.host_bytes:,} host; "
-                 f"{self.input_bytes:,} are the inputs themselves), peak {self.peak_bytes:,}"]
-        lines.append(f"{'#':>4} {'primitive':<18} {'saves':<12} {'device':>12} {'host':>12} "
-                     f"{'compressed':>11}  source")
-        for r in self.records:
-            src = r.source.rsplit("/", 1)[-1]
-            lines.append(f"{r.index:>4} {r.primitive[:18]:<18} {r.saves[:12]:<12} "
-                         f"{r.device_bytes:>12,} {r.host_bytes:>12,} {r.compressed_bytes:>11,}  "
-                         f"{src[:24]}")
-        return "\n".join(lines)
+        from tapegrad._display import report_text
+
+        return report_text(self)
 
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
-        rows = "".join(
-            f"<tr><td>{r.index}</td><td><b>{html.escape(r.primitive)}</b></td>"
-            f"<td>{html.escape(r.saves)}</td><td style='text-align:right'>{r.device_bytes:,}</td>"
-            f"<td style='text-align:right'>{r.host_bytes:,}</td>"
-            f"<td style='text-align:right'>{r.compressed_bytes:,}</td>"
-            f"<td><code>{html.escape(r.source.rsplit('/', 1)[-1])}</code></td></tr>"
-            for r in self.records)
-        return (f"<table class='tapegrad-memory'><caption>policy {html.escape(repr(self.policy))}: "
-                f"{self.residual_bytes:,} B residuals ({self.device_bytes:,} device, "
-                f"{self.host_bytes:,} host), peak {self.peak_bytes:,} B</caption>"
-                "<tr><th>#</th><th>primitive</th><th>saves</th><th>device B</th><th>host B</th>"
-                f"<th>compressed B</th><th>source</th></tr>{rows}</table>")
+        from tapegrad._display import report_html
 
-    def plot(self, ax=None):
-        """Live residual bytes over the forward and backward timeline (needs matplotlib)."""
+        return report_html(self)
+
+    def plot(self, ax: Any = None, *, label: str | None = None, by_kind: bool = True) -> Any:
+        """Live residual bytes over forward then backward, one line per memory kind.
+
+        ```python
+        fig, axs = plt.subplots(1, 2, figsize=(12, 3), sharey=True)
+        tg.memory_report(loss, policy=P.save())(w, x).plot(ax=axs[0])
+        tg.memory_report(loss, policy=P.offload())(w, x).plot(ax=axs[1])
+        ```
+        Draws a line per kind that holds bytes (``device``, ``host``, ``compressed``;
+        plus ``total`` when there are several), a dashed vertical line where backward
+        starts and, when a `tg.policies.budget` planned the tape, its budget as a
+        horizontal line (raised by the inputs' own bytes, which budgets do not count).
+        Returns the matplotlib ``Axes`` (``ax`` if given). ``label`` prefixes the legend.
+        """
         try:
             import matplotlib.pyplot as plt
-        except ImportError as e:  # pragma: no cover - optional dependency
-            raise ImportError("MemoryReport.plot needs matplotlib: pip install matplotlib") from e
+            from matplotlib.ticker import FuncFormatter
+        except ImportError as e:
+            raise ImportError("MemoryReport.plot needs matplotlib, an optional dependency: "
+                              "pip install matplotlib") from e
+        from tapegrad._display import clip, human_bytes
+
         if ax is None:
             _, ax = plt.subplots(figsize=(8, 3))
-        ys = [b for _, b in self.timeline]
+        xs = list(range(len(self.timeline)))
+        prefix = f"{label}: " if label else ""
+        kinds = [(name, [k[i] for k in self.timeline_kinds])
+                 for i, name in enumerate(("device", "host", "compressed"))] if by_kind else []
+        kinds = [(n, ys) for n, ys in kinds if any(ys)]
+        if len(kinds) != 1:  # one kind is the total; several need the total beside them
+            ax.plot(xs, [b for _, b in self.timeline], drawstyle="steps-post", lw=2,
+                    label=prefix + "total", gid="total")
+        for name, ys in kinds:
+            ax.plot(xs, ys, drawstyle="steps-post", lw=1.2 if len(kinds) > 1 else 2,
+                    ls="-" if len(kinds) == 1 else "--", label=prefix + name, gid=name)
         n_fwd = sum(1 for s, _ in self.timeline if s.startswith("fwd"))
-        ax.plot(range(len(ys)), ys, drawstyle="steps-post", label=repr(self.policy))
-        ax.axvline(n_fwd - 0.5, color="gray", lw=0.5, ls="--")
-        ax.set_xlabel("record (forward, then backward)")
+        drawn = {(ln.get_gid(), tuple(ln.get_xdata())) for ln in ax.get_lines()}
+        if ("backward", (n_fwd - 0.5,) * 2) not in drawn:  # once per Axes when overlaid
+            ax.axvline(n_fwd - 0.5, color="gray", lw=0.8, ls="--", label="backward starts",
+                       gid="backward")
+        if self.budget_bytes is not None:
+            note = (f" + {human_bytes(self.input_residual_bytes)} inputs"
+                    if self.input_residual_bytes else "")
+            ax.axhline(self.budget_bytes + self.input_residual_bytes, color="tab:red", lw=1,
+                       ls=":", label=f"{prefix}budget {human_bytes(self.budget_bytes)}{note}",
+                       gid="budget")
+        ax.yaxis.set_major_locator(_binary_locator())
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: human_bytes(v).replace(".0 ", " ")))
+        ax.set_xlabel("tape step (forward records, then backward)")
         ax.set_ylabel("live residual bytes")
-        ax.legend()
+        if not ax.get_title():
+            ax.set_title(clip(label or repr(self.policy), 60), fontsize="medium")
+        top = max([b for _, b in self.timeline] + [1])
+        if self.budget_bytes is not None:  # axhline does not widen the y range by itself
+            top = max(top, self.budget_bytes + self.input_residual_bytes)
+        ax.set_ylim(0, max(ax.get_ylim()[1], top * 1.05))
+        ax.legend(fontsize="small")
         return ax
+
+
+def _binary_locator() -> Any:
+    """Ticks at round numbers of KiB / MiB / GiB rather than of bytes."""
+    from matplotlib.ticker import MaxNLocator
+
+    class BinaryLocator(MaxNLocator):
+        def tick_values(self, vmin, vmax):
+            unit = 1.0
+            while max(abs(vmin), abs(vmax)) >= 1024 * unit and unit < 1024 ** 3:
+                unit *= 1024
+            return super().tick_values(vmin / unit, vmax / unit) * unit
+
+    return BinaryLocator(nbins=6, steps=[1, 2, 2.5, 5, 10])
 
 
 def _leaf_bytes(packed) -> tuple[int, int, list]:
@@ -174,13 +221,31 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
                                  ",".join(map(str, rec.saves)) or "(segment input)",
                                  dev, host, comp, orig))
 
+    def compressed(key) -> bool:  # the same test as a row's compressed_bytes
+        info = res.infos.get(key)
+        return info is not None and any(dt != info.dtype for dt in _leaf_bytes(res.store[key])[2])
+
+    kind_of = {k: ((0, 0, d + h) if compressed(k) else (d, h, 0)) for k, (d, h) in sizes.items()}
+    lk = [0, 0, 0]  # live bytes by kind (device, host, compressed), mirroring ``live``
+
+    def add_kind(key, sign=1):
+        for i, b in enumerate(kind_of.get(key, (0, 0, 0))):
+            lk[i] += sign * b
+
     timeline = []
+    timeline_kinds = []
     live = sum(sum(sizes[k]) for k in sizes if isinstance(k, int) and k in input_ids)
+    for k in sizes:
+        if isinstance(k, int) and k in input_ids:
+            add_kind(k)
+    input_live = live
     for rec in tape.records:
         for key in by_rec.get(rec.index, ()):
             if not (isinstance(key, int) and key in input_ids):
                 live += sum(sizes[key])
+                add_kind(key)
         timeline.append((f"fwd {rec.index}", live))
+        timeline_kinds.append((lk[0], lk[1], lk[2]))
     residual = live
     remaining = dict(res.refs)
     extra: dict[Any, int] = {}  # unpacked device copies and recomputed values, per key
@@ -190,7 +255,10 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
         nonlocal live
         remaining[key] -= 1
         if remaining[key] == 0:
-            live -= sum(sizes.get(key, (0, 0))) + extra.pop(key, 0)
+            copy = extra.pop(key, 0)
+            live -= sum(sizes.get(key, (0, 0))) + copy
+            add_kind(key, -1)
+            lk[0] -= copy
 
     for rec in reversed(tape.records):
         if rec.rule == "none":
@@ -208,28 +276,44 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
                 for o in seg.outputs:
                     extra[o.id] = o.nbytes
                     live += o.nbytes
+                    lk[0] += o.nbytes
                 for i in seg.records:
                     r = tape.records[i]
                     for a in r.saves:
                         if a.kind == "aux" and r.residual_key(a) in seg_of:
                             extra[r.residual_key(a)] = a.nbytes
                             live += a.nbytes
+                            lk[0] += a.nbytes
                 for v in seg.inputs:
                     release(v.id)
             elif not plain and key in sizes:
                 extra[key] = s_.nbytes  # the device copy unpack brings back
                 live += s_.nbytes
+                lk[0] += s_.nbytes
         peak = max(peak, live)
         for key in keys:
             release(key)
         timeline.append((f"bwd {rec.index}", live))
+        timeline_kinds.append((lk[0], lk[1], lk[2]))
     dev_total = sum(d for d, _ in sizes.values())
     host_total = sum(h for _, h in sizes.values())
     arg_ids = {id(a) for a in args}
     input_total = sum(sum(sizes[k]) for k in sizes
                       if any(id(leaf) in arg_ids for leaf in tree_util.tree_leaves(res.store[k])))
     return MemoryReport(policy, tuple(rows), residual, dev_total, host_total, peak, input_total,
-                        tuple(timeline), tape)
+                        tuple(timeline), tape, tuple(timeline_kinds), input_live,
+                        _budget_of(policy))
+
+
+def _budget_of(policy: Any) -> int | None:
+    """The byte budget of a `tg.policies.budget` policy (or of one it wraps)."""
+    from tapegrad.policies.budget import Budget
+
+    for _ in range(8):  # wrappers keep the policy they wrap in ``base``
+        if isinstance(policy, Budget):
+            return policy.bytes
+        policy = getattr(policy, "base", None)
+    return None
 
 
 def memory_report(fun: Callable, argnums: int | Sequence[int] = 0, *, policy: Any = None):

@@ -7,7 +7,6 @@ runs (values, residual stores, cotangents) lives in the interpreter.
 
 from __future__ import annotations
 
-import html
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
@@ -62,6 +61,9 @@ class Var:
     id: int
     shape: tuple[int, ...]
     dtype: np.dtype
+    # The value's type-level sharding (``aval.sharding``) as traced; rules whose
+    # backward must name an output sharding under Explicit mesh axes read it.
+    sharding: Any = field(default=None, compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -89,7 +91,9 @@ class Lit:
 
     def __str__(self) -> str:
         v = np.asarray(self.value)
-        return f"{v.item() if v.ndim == 0 else v}:{aval_str(self.shape, self.dtype)}"
+        # a numpy scalar prints the shortest repr of its own precision (0.044715, not
+        # float32's value widened to 0.044714998453855515)
+        return f"{str(v[()]) if v.ndim == 0 else v}:{aval_str(self.shape, self.dtype)}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +192,11 @@ class Record:
         return self.rule != "none"
 
     def params_str(self) -> str:
+        s = " ".join(self.param_items())
+        return f"[{s}]" if s else ""
+
+    def param_items(self) -> list[str]:
+        """The params as ``k=v`` strings; sub-programs and callables shown as ``…``."""
         items = []
         if self.primitive == "custom_vjp_call":  # show the function (tg.Function class) name
             from tapegrad.rules.control import custom_vjp_name
@@ -197,8 +206,7 @@ class Record:
                      "out_trees", "branches", "cond_jaxpr", "body_jaxpr", "_prim"):
                 v = "…"
             items.append(f"{k}={v}")
-        s = " ".join(items)
-        return f"[{s}]" if s else ""
+        return items
 
     def __str__(self) -> str:
         outs = " ".join(f"{o}:{o.aval}" for o in self.outputs)
@@ -305,38 +313,16 @@ class Tape:
         return len(self.records)
 
     def __str__(self) -> str:
-        ins = " ".join(f"{v}:{v.aval}" for v in self.inputs)
-        lines = [f"{{ lambda {' '.join(str(v) for v, _ in self.consts)} ; {ins}. let"]
-        body = [(str(r), r.short_source) for r in self.records]
-        width = min(max((len(b) for b, _ in body), default=0), 72)
-        for b, src in body:
-            lines.append(f"    {b.ljust(width)}  # {src}")
-        outs = " ".join(str(o) for o in self.outputs)
-        lines.append(f"  in ({outs}) }}")
-        lines.append(f"  # {len(self.records)} records, {self.saved_bytes:,} bytes saved for backward")
-        return "\n".join(lines)
+        from tapegrad._display import tape_text
+
+        return tape_text(self)
 
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
-        rows = []
-        for r in self.records:
-            outs = ", ".join(o.aval for o in r.outputs)
-            ins = ", ".join(getattr(i, "aval", str(i)) for i in r.inputs)
-            saves = ", ".join(f"{s} {aval_str(s.shape, s.dtype)}" for s in r.saves)
-            cls = ' style="color:#b35900"' if r.rule == "fallback" else ""
-            rows.append(
-                f"<tr{cls}><td>{r.index}</td><td><b>{html.escape(r.primitive)}</b></td>"
-                f"<td>{html.escape(ins)}</td><td>{html.escape(outs)}</td>"
-                f"<td>{html.escape(saves)}</td><td style='text-align:right'>{r.saved_bytes:,}</td>"
-                f"<td><code>{html.escape(r.short_source)}</code></td></tr>"
-            )
-        head = ("<tr><th>#</th><th>primitive</th><th>inputs</th><th>outputs</th>"
-                "<th>saves</th><th>bytes saved</th><th>source</th></tr>")
-        return (
-            f"<table class='tapegrad-tape'><caption>Tape: {len(self.records)} records, "
-            f"{self.saved_bytes:,} bytes saved (distinct)</caption>{head}{''.join(rows)}</table>"
-        )
+        from tapegrad._display import tape_html
+
+        return tape_html(self)
 
 
 def frozen_params(params: dict) -> Mapping[str, Any]:

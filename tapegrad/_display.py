@@ -1,0 +1,554 @@
+"""Pictures of a `Tape` and a `MemoryReport`: plain text that fits 100 columns, and
+self-contained HTML tables for Jupyter and browsers.
+
+Both fold long runs: a block of records (or report rows) repeated many times in a
+row — the layers of a deep network — shows once with a count, so a 2,000-record
+tape stays a screenful. In HTML the fold is a ``<details>`` row (no JavaScript
+needed to expand it); a per-source-line summary follows the table.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+WIDTH = 100  # every line of str(tape) / str(report) fits in this many columns
+MAX_PERIOD = 64  # longest repeated block looked for (a transformer layer is ~40 records)
+
+
+def clip(s: str, n: int) -> str:
+    """``s`` cut to ``n`` characters, ending in an ellipsis when cut."""
+    return s if len(s) <= n else (s[:n - 1] + "…" if n > 0 else "")
+
+
+_SRC = re.compile(r"^(.*):(\d+) \((.*)\)$")
+
+
+def short_source(src: str, limit: int = 40) -> str:
+    """``file:line (function)`` with the directory dropped, shortened to ``limit``.
+
+    The line number is never cut; the function name is shortened first, then the
+    middle of the file name (its extension kept), so the location stays findable.
+    """
+    m = _SRC.match(src)
+    if m is None:
+        return clip(src.rsplit("/", 1)[-1], limit)
+    file, line, fn = m.group(1).rsplit("/", 1)[-1], m.group(2), m.group(3)
+    s = f"{file}:{line} ({fn})"
+    if len(s) <= limit:
+        return s
+    room = limit - len(f"{file}:{line} ()")
+    if room >= 8:
+        return f"{file}:{line} ({clip(fn, room)})"
+    fn = clip(fn, 8)
+    room = max(limit - len(f":{line} ({fn})"), 6)
+    if len(file) > room:
+        head = (room - 1) // 2
+        file = file[:head] + "…" + file[len(file) - (room - 1 - head):]
+    return f"{file}:{line} ({fn})"
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return f"{n:,.1f} TiB"  # pragma: no cover
+
+
+# ------------------------------------------------------------------ folding
+
+def fold_runs(sigs: Sequence[Hashable],
+              fold: Callable[[int, int], bool]) -> list[tuple[int, int, int]]:
+    """Cover ``sigs`` by ``(start, period, repeats)`` pieces, left to right.
+
+    At each position the block length (≤ `MAX_PERIOD`) whose back-to-back repeats cover
+    the most items wins (the shorter block on ties); ``fold(period, repeats)`` says
+    whether that run is worth folding, else the item stands alone as ``(i, 1, 1)``.
+    """
+    ids: dict[Hashable, int] = {}
+    s = [ids.setdefault(x, len(ids)) for x in sigs]
+    n, i, out = len(s), 0, []
+    while i < n:
+        cover, period = 0, 0
+        for p in range(1, min(MAX_PERIOD, (n - i) // 2) + 1):
+            if s[i + p] != s[i]:
+                continue
+            block, r = s[i:i + p], 1
+            while s[i + r * p:i + (r + 1) * p] == block:
+                r += 1
+            if r >= 2 and r * p > cover:
+                cover, period = r * p, p
+        if period and fold(period, cover // period):
+            out.append((i, period, cover // period))
+            i += cover
+        else:
+            out.append((i, 1, 1))
+            i += 1
+    return out
+
+
+# ------------------------------------------------------------------ tape: text
+
+def _fold_text(p: int, r: int) -> bool:
+    """Text shows a folded run's first and last block: fold when that hides ≥ 4 lines."""
+    return r >= 3 and (r - 2) * p >= 4
+
+
+def _fold_html(p: int, r: int) -> bool:
+    return r >= 3 and p * r >= 8
+
+
+def _fit_params(items: list[str], room: int) -> str:
+    """Params shortened to ``room`` columns: ``=None`` defaults dropped first, then
+    whole items from the end (ending in ``…``); a first item is cut only if long."""
+    s = " ".join(items)
+    if len(s) <= room:
+        return s
+    items = [i for i in items if not i.endswith("=None")] or items[:1]
+    s = " ".join(items)
+    if len(s) <= room:
+        return s
+    while len(s) > room and len(items) > 1:
+        items = items[:-1]
+        s = " ".join(items) + " …"
+    if len(s) > room:
+        s = clip(items[0], room) if room >= 14 else "…"
+    return s
+
+
+def _tail(rec) -> str:
+    tail = f"   saves[{','.join(map(str, rec.saves))}]" if rec.saves else ""
+    tail += " (fallback)" if rec.rule == "fallback" else ""
+    return tail + (" (recompute)" if rec.decision == "recompute" else "")
+
+
+def _fit_record(rec, budget: int) -> str:
+    """One record as ``outs = prim[params] ins   saves[..]``, shortened to ``budget`` columns:
+    params first, then the inputs, then the outputs; the primitive and saves stay whole."""
+    outs = " ".join(f"{o}:{o.aval}" for o in rec.outputs)
+    ins = " ".join(str(i) for i in rec.inputs)
+    items = rec.param_items()
+    params = " ".join(items)
+    tail = _tail(rec)
+
+    def render() -> str:
+        return f"{outs} = {rec.primitive}{f'[{params}]' if params else ''} {ins}{tail}"
+
+    line = render()
+    if len(line) > budget and params:  # =None defaults go first, long params down to 24
+        params = _fit_params(items, max(budget - (len(line) - len(params)), 24))
+        line = render()
+    if len(line) > budget:
+        ins = clip(ins, max(budget - (len(line) - len(ins)), 16))
+        line = render()
+    if len(line) > budget and params:
+        params = _fit_params(items, budget - (len(line) - len(params)))
+        line = render()
+    if len(line) > budget:
+        outs = clip(outs, max(budget - (len(line) - len(outs)), 12))
+        line = render()
+    return clip(line, budget)
+
+
+def _record_sig(rec) -> tuple:
+    return (rec.primitive, rec.params_str(), tuple(getattr(i, "aval", str(i)) for i in rec.inputs),
+            tuple(o.aval for o in rec.outputs), tuple(map(str, rec.saves)), rec.rule,
+            rec.decision, rec.short_source)
+
+
+def _var_list(vs: Sequence[Any], limit: int) -> str:
+    """``a:f32[3] b:f32[3]``; runs of ≥3 same-shaped values as ``a…sf:f32[8,8]``."""
+    full = " ".join(f"{v}:{v.aval}" for v in vs)
+    if len(full) <= limit:
+        return full
+    parts, i = [], 0
+    while i < len(vs):
+        j = i
+        while j + 1 < len(vs) and vs[j + 1].aval == vs[i].aval:
+            j += 1
+        if j - i >= 2:
+            parts.append(f"{vs[i]}…{vs[j]}:{vs[i].aval}")
+        else:
+            parts.extend(f"{v}:{v.aval}" for v in vs[i:j + 1])
+        i = j + 1
+    s = " ".join(parts)
+    count = f" ({len(vs)} values)"
+    return s if len(s) <= limit else clip(s, limit - len(count)) + count
+
+
+def tape_text(tape) -> str:
+    consts = " ".join(str(v) for v, _ in tape.consts)
+    consts = clip(consts, 30) if consts else ""
+    head = f"{{ lambda {consts} ; "
+    lines = [head + _var_list(tape.inputs, WIDTH - len(head) - len(". let")) + ". let"]
+    srcs = [short_source(r.short_source, 36) for r in tape.records]
+    # One column for every source comment: bodies shrink to fit beside the longest.
+    room = WIDTH - 8 - max((len(s) for s in srcs), default=0)
+    bodies = [_fit_record(r, room) for r in tape.records]
+    width = max((len(b) for b in bodies), default=0)
+    for i, r in enumerate(tape.records):
+        if not bodies[i].endswith(_tail(r)):
+            # Too long even shortened (the saves would be cut): this line takes room
+            # from its source comment, which keeps at least file:line.
+            bodies[i] = _fit_record(r, WIDTH - 8 - 22)
+            srcs[i] = short_source(r.short_source, WIDTH - 8 - max(len(bodies[i]), width))
+
+    def row(i: int) -> str:
+        return f"    {bodies[i].ljust(width)}  # {srcs[i]}"
+
+    runs = fold_runs([_record_sig(r) for r in tape.records], _fold_text)
+    for start, p, r in runs:
+        if r == 1:
+            lines.append(row(start))
+            continue
+        lines.extend(row(i) for i in range(start, start + p))
+        hidden = range(start + p, start + (r - 1) * p)
+        nbytes = sum(tape.records[i].saved_bytes for i in hidden)
+        what = "record" if p == 1 else f"{p} records"
+        lines.append(clip(f"    ⋮ {r - 2} × the {what} above again (#{hidden[0]}–#{hidden[-1]}), "
+                          f"{nbytes:,} bytes saved", WIDTH))
+        lines.extend(row(i) for i in range(start + (r - 1) * p, start + r * p))
+    outs = " ".join(str(o) for o in tape.outputs)
+    lines.append(f"  in ({clip(outs, WIDTH - 9)}) }}")
+    lines.append(f"  # {len(tape.records)} records, {tape.saved_bytes:,} bytes saved for backward")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ HTML pieces
+
+_CSS = """
+.tg-view{font:12px/1.4 ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;color:inherit;
+ max-width:100%;overflow-x:auto;margin:4px 0}
+.tg-view .tg-totals{display:flex;flex-wrap:wrap;gap:6px;margin:2px 0 8px}
+.tg-view .tg-stat{border:1px solid rgba(127,127,127,.35);border-radius:4px;padding:3px 8px}
+.tg-view .tg-stat b{display:block;font-size:13px}
+.tg-view .tg-stat small{opacity:.7}
+.tg-view table{border-collapse:collapse;table-layout:fixed;margin:0}
+.tg-view th,.tg-view td{padding:2px 6px;border-bottom:1px solid rgba(127,127,127,.2);
+ white-space:nowrap;overflow:hidden;text-overflow:ellipsis;text-align:left;vertical-align:top}
+.tg-view th{border-bottom:2px solid rgba(127,127,127,.5);font-weight:600}
+.tg-view thead.tg-sort th{cursor:pointer}
+.tg-view td.n,.tg-view th.n{text-align:right}
+.tg-view tbody tr:hover{background:rgba(127,127,127,.12)}
+.tg-view tr.tg-fold>td{padding:0;background:rgba(90,140,230,.10)}
+.tg-view summary{cursor:pointer;padding:3px 6px;white-space:normal}
+.tg-view summary b{color:#3b7dd8}
+.tg-view table.tg-inner{margin:0 0 4px 0}
+.tg-view .d-recompute{color:#8a5cf6}.tg-view .d-offload{color:#0e9f8e}
+.tg-view .d-compress{color:#d97706}.tg-view .fallback{color:#d9480f}
+.tg-view details.tg-by-source{margin-top:8px}
+"""
+
+# Clicking a header sorts that column (numbers by their data-v value); toggles direction.
+_SORT_JS = ("var t=event.target;if(t.tagName!='TH')return;var b=this.parentNode.tBodies[0],"
+            "i=t.cellIndex,d=t.dataset.d=-(t.dataset.d||-1),r=Array.from(b.rows);"
+            "r.sort(function(x,y){x=x.cells[i];y=y.cells[i];var u=x.dataset.v,v=y.dataset.v;"
+            "if(u!==undefined)return d*(u-v);u=x.textContent;v=y.textContent;"
+            "return d*(u<v?-1:u>v?1:0)});r.forEach(function(e){b.appendChild(e)})")
+
+e = html.escape
+
+
+def cell(text: Any, cls: str = "", num: int | None = None, title: str | None = None,
+         limit: int = 0) -> str:
+    """A ``<td>``; long text is clipped with its full value in the tooltip."""
+    s = str(text)
+    if limit and len(s) > limit:
+        title, s = title or s, clip(s, limit)
+    attrs = f' class="{cls}"' if cls else ""
+    attrs += f' data-v="{num}"' if num is not None else ""
+    attrs += f' title="{e(title)}"' if title else ""
+    return f"<td{attrs}>{e(s)}</td>"
+
+
+def stat(label: str, value: int | str, key: str, note: str = "") -> str:
+    """One total at the top, machine-readable in ``data-key`` / ``data-v``."""
+    shown = f"{value:,}" if isinstance(value, int) else e(value)
+    v = f' data-v="{value}"' if isinstance(value, int) else ""
+    note = f" <small>{e(note)}</small>" if note else ""
+    return (f'<div class="tg-stat" data-key="{key}"{v}><small>{e(label)}</small>'
+            f"<b>{shown}{note}</b></div>")
+
+
+def width(cols: Sequence[tuple[str, str, int]]) -> str:
+    """The style attribute giving a fixed-layout table the sum of its column widths."""
+    return f'style="width:calc({sum(w for _, _, w in cols)}ch + {12 * len(cols)}px)"'
+
+
+def header(cols: Sequence[tuple[str, str, int]], sortable: bool = False) -> tuple[str, str]:
+    """``(colgroup, thead)`` for columns ``(title, 'n' for numbers or '', width in ch)``.
+    Fixed widths keep the rows of a folded group aligned with the table's."""
+    # Columns are w ch of text plus 12px of padding; a fixed-layout table needs its width.
+    colgroup = ("<colgroup>"
+                + "".join(f'<col style="width:calc({w}ch + 12px)">' for _, _, w in cols)
+                + "</colgroup>")
+    ths = "".join(f'<th class="{c}">{e(t)}</th>' if c else f"<th>{e(t)}</th>" for t, c, _ in cols)
+    onclick = (f' class="tg-sort" onclick="{e(_SORT_JS)}" title="click a column to sort"'
+               if sortable else "")
+    return colgroup, f"<thead{onclick}><tr>{ths}</tr></thead>"
+
+
+def folded_rows(runs, row: Callable[[int], str], summary: Callable[[int, int, int], str],
+                cols: Sequence[tuple[str, str, int]]) -> list[str]:
+    """Table rows; each folded run becomes one ``<details>`` row holding its block once."""
+    colgroup, _ = header(cols)
+    out = []
+    for start, p, r in runs:
+        if r == 1:
+            out.append(row(start))
+            continue
+        inner = "".join(row(i) for i in range(start, start + p))
+        out.append(f'<tr class="tg-fold" data-start="{start}" data-period="{p}" data-repeats="{r}">'
+                   f'<td colspan="{len(cols)}"><details><summary>'
+                   f'{summary(start, p, r)}</summary><table class="tg-inner" {width(cols)}>'
+                   f"{colgroup}"
+                   f"<tbody>{inner}</tbody></table></details></td></tr>")
+    return out
+
+
+def by_source_table(groups: dict[str, dict[str, Any]], cols: Sequence[tuple[str, str, int]],
+                    cells: Callable[[str, dict[str, Any]], str]) -> str:
+    """A sortable table, one row per source line (``groups`` in display order)."""
+    colgroup, thead = header(cols, sortable=True)
+    rows = "".join(f"<tr>{cells(src, g)}</tr>" for src, g in groups.items())
+    return (f'<details class="tg-by-source"><summary>By source line '
+            f"({len(groups)} lines; click a column to sort)</summary>"
+            f'<table class="tg-by-source" {width(cols)}>{colgroup}{thead}<tbody>{rows}</tbody>'
+            "</table></details>")
+
+
+def page(cls: str, totals: Sequence[str], table: str, extra: str = "") -> str:
+    return (f'<div class="tg-view {cls}"><style>{_CSS}</style>'
+            f'<div class="tg-totals">{"".join(totals)}</div>{table}{extra}</div>')
+
+
+def prim_counts(prims: Sequence[str], limit: int = 4) -> str:
+    counts: dict[str, int] = {}
+    for p in prims:
+        counts[p] = counts.get(p, 0) + 1
+    top = sorted(counts.items(), key=lambda kv: -kv[1])
+    s = ", ".join(f"{p}×{n}" if n > 1 else p for p, n in top[:limit])
+    return s + (f", +{len(top) - limit} more" if len(top) > limit else "")
+
+
+# ------------------------------------------------------------------ tape: HTML
+
+_TAPE_COLS = (("#", "n", 6), ("primitive", "", 15), ("inputs", "", 22), ("outputs", "", 14),
+              ("saves", "", 27), ("saves B", "n", 11), ("decision", "", 11),
+              ("source", "", 40))
+
+
+def _decision(rec) -> tuple[str, str]:
+    """(text, css class) of a record's decision column."""
+    if rec.decision == "recompute":
+        text = "recompute"
+    else:
+        text = "save" if rec.saves else ""
+    if rec.rule == "fallback":
+        return (text + " · fallback").lstrip(" ·"), "fallback"
+    return text, f"d-{text}" if text else ""
+
+
+def tape_html(tape) -> str:
+    from tapegrad._tape import aval_str
+
+    recs = tape.records
+
+    def row(i: int) -> str:
+        r = recs[i]
+        ins = ", ".join(getattr(x, "aval", str(x)) for x in r.inputs)
+        outs = ", ".join(o.aval for o in r.outputs)
+        saves = ", ".join(f"{s} {aval_str(s.shape, s.dtype)}" for s in r.saves)
+        dec, cls = _decision(r)
+        params = r.params_str()
+        return ("<tr>" + cell(r.index, "n", r.index)
+                + cell(r.primitive, title=clip(params, 300) if params else None)
+                + cell(ins, limit=60) + cell(outs, limit=60) + cell(saves, limit=80)
+                + cell(f"{r.saved_bytes:,}", "n", r.saved_bytes) + cell(dec, cls)
+                + cell(short_source(r.short_source, 40), title=r.source) + "</tr>")
+
+    def summary(start: int, p: int, r: int) -> str:
+        block = recs[start:start + p]
+        nbytes = sum(x.saved_bytes for x in recs[start:start + p * r])
+        srcs = sorted({short_source(x.short_source, 40) for x in block})
+        what = f"{p} records" if p > 1 else "record"
+        return (f"<b>{r} ×</b> the same {what} (#{start}–#{start + p * r - 1}): "
+                f"{e(clip(' '.join(x.primitive for x in block), 80))} · "
+                f"<b>{nbytes:,}</b> B in saves · {e(clip(', '.join(srcs), 90))}")
+
+    runs = fold_runs([_record_sig(r) for r in recs], _fold_html)
+    colgroup, thead = header(_TAPE_COLS)
+    body = "".join(folded_rows(runs, row, summary, _TAPE_COLS))
+    table = (f'<table class="tapegrad-tape" {width(_TAPE_COLS)}>{colgroup}{thead}'
+             f"<tbody>{body}</tbody></table>")
+
+    kept = tape.residual_vars()
+    input_ids = {v.id for v in tape.inputs}
+    in_bytes = sum(b for k, b in kept.items() if isinstance(k, int) and k in input_ids)
+    n_re = sum(r.decision == "recompute" for r in recs)
+    n_fb = sum(r.rule == "fallback" for r in recs)
+    totals = [stat("records", len(recs), "records"),
+              stat("kept for backward (distinct)", tape.saved_bytes, "saved_bytes",
+                   human_bytes(tape.saved_bytes)),
+              stat("of which the inputs", in_bytes, "input_bytes"),
+              stat("activations", tape.saved_bytes - in_bytes, "activation_bytes"),
+              stat("recomputed records", n_re, "recompute"),
+              stat("fallback rules", n_fb, "fallback")]
+
+    groups: dict[str, dict[str, Any]] = {}
+    for r in recs:
+        g = groups.setdefault(r.short_source,
+                              {"records": 0, "bytes": 0, "prims": [], "full": r.source})
+        g["records"] += 1
+        g["bytes"] += r.saved_bytes
+        g["prims"].append(r.primitive)
+
+    def src_cells(src: str, g: dict[str, Any]) -> str:
+        return (cell(short_source(src, 44), title=g["full"]) + cell(g["records"], "n", g["records"])
+                + cell(f"{g['bytes']:,}", "n", g["bytes"])
+                + cell(prim_counts(g["prims"]), limit=60))
+
+    extra = by_source_table(groups, (("source", "", 46), ("records", "n", 9),
+                                     ("saves B", "n", 13), ("primitives", "", 48)), src_cells)
+    return page("tg-tape", totals, table, extra)
+
+
+# ------------------------------------------------------------------ memory report
+
+def report_decision(r) -> str:
+    """How a report row's residuals are kept, read off where their bytes live."""
+    parts = []
+    if r.device_bytes > r.compressed_bytes or not (r.host_bytes or r.compressed_bytes):
+        parts.append("save")
+    if r.host_bytes:
+        parts.append("offload")
+    if r.compressed_bytes:
+        parts.append("compress")
+    return "+".join(parts)
+
+
+def _report_sig(r) -> tuple:
+    return (r.primitive, r.saves, r.device_bytes, r.host_bytes, r.compressed_bytes,
+            short_source(r.source, 36))
+
+
+def report_head(rep) -> list[str]:
+    lines = [clip(f"memory_report(policy={rep.policy!r}):", WIDTH)]
+    comp = sum(r.compressed_bytes for r in rep.records)
+    lines.append(clip(f"  residuals {rep.residual_bytes:,} B: device {rep.device_bytes:,}, host "
+                      f"{rep.host_bytes:,}, compressed {comp:,}; the inputs themselves "
+                      f"{rep.input_bytes:,}", WIDTH))
+    tail = f"  peak {rep.peak_bytes:,} B live over forward + backward"
+    if rep.budget_bytes is not None:
+        tail += f"; budget {rep.budget_bytes:,} B (inputs not counted)"
+    lines.append(clip(tail, WIDTH))
+    return lines
+
+
+def report_text(rep) -> str:
+    lines = report_head(rep)
+    lines.append(f"{'#':>5} {'primitive':<14} {'saves':<12} {'device':>11} {'host':>11} "
+                 f"{'compressed':>10}  source")
+    rows = rep.records
+
+    def row(i: int) -> str:
+        r = rows[i]
+        saves = "(seg. input)" if r.saves == "(segment input)" else r.saves
+        return (f"{r.index:>5} {clip(r.primitive, 14):<14} {clip(saves, 12):<12} "
+                f"{r.device_bytes:>11,} {r.host_bytes:>11,} {r.compressed_bytes:>10,}  "
+                f"{short_source(r.source, 30)}")
+
+    for start, p, r in fold_runs([_report_sig(x) for x in rows], _fold_text):
+        if r == 1:
+            lines.append(row(start))
+            continue
+        lines.extend(row(i) for i in range(start, start + p))
+        hidden = rows[start + p:start + (r - 1) * p]
+        what = "row" if p == 1 else f"{p} rows"
+        lines.append(clip(f"    ⋮ {r - 2} × the {what} above again (#{hidden[0].index}–"
+                          f"#{hidden[-1].index}): {sum(x.device_bytes for x in hidden):,} device, "
+                          f"{sum(x.host_bytes for x in hidden):,} host bytes", WIDTH))
+        lines.extend(row(i) for i in range(start + (r - 1) * p, start + r * p))
+    return "\n".join(line if len(line) <= WIDTH else clip(line, WIDTH) for line in lines)
+
+
+_REPORT_COLS = (("#", "n", 6), ("primitive", "", 15), ("saves", "", 26), ("decision", "", 14),
+                ("device B", "n", 12), ("host B", "n", 12), ("compressed B", "n", 13),
+                ("source", "", 40))
+
+
+def report_html(rep) -> str:
+    from tapegrad._tape import aval_str
+
+    rows = rep.records
+    tape = rep.tape
+
+    def saves_of(r) -> str:
+        if tape is None or r.saves == "(segment input)":
+            return r.saves
+        return ", ".join(f"{s} {aval_str(s.shape, s.dtype)}" for s in tape.records[r.index].saves)
+
+    def row(i: int) -> str:
+        r = rows[i]
+        dec = report_decision(r)
+        return ("<tr>" + cell(r.index, "n", r.index) + cell(r.primitive)
+                + cell(saves_of(r), limit=80)
+                + cell(dec, "d-" + dec.split("+")[-1].split(" ")[0])
+                + cell(f"{r.device_bytes:,}", "n", r.device_bytes)
+                + cell(f"{r.host_bytes:,}", "n", r.host_bytes)
+                + cell(f"{r.compressed_bytes:,}", "n", r.compressed_bytes)
+                + cell(short_source(r.source, 40), title=r.source) + "</tr>")
+
+    def summary(start: int, p: int, r: int) -> str:
+        run = rows[start:start + p * r]
+        what = f"{p} rows" if p > 1 else "row"
+        return (f"<b>{r} ×</b> the same {what} (records #{run[0].index}–#{run[-1].index}): "
+                f"{e(clip(' '.join(x.primitive for x in run[:p]), 80))} · device "
+                f"<b>{sum(x.device_bytes for x in run):,}</b> · host "
+                f"<b>{sum(x.host_bytes for x in run):,}</b> · compressed "
+                f"<b>{sum(x.compressed_bytes for x in run):,}</b> B · "
+                f"{e(short_source(run[0].source, 40))}")
+
+    runs = fold_runs([_report_sig(x) for x in rows], _fold_html)
+    colgroup, thead = header(_REPORT_COLS)
+    body = "".join(folded_rows(runs, row, summary, _REPORT_COLS))
+    table = (f'<table class="tapegrad-memory" {width(_REPORT_COLS)}>{colgroup}{thead}'
+             f"<tbody>{body}</tbody></table>")
+
+    comp = sum(r.compressed_bytes for r in rows)
+    n_re = sum(r.decision == "recompute" for r in tape.records) if tape is not None else 0
+    totals = [stat("policy", clip(repr(rep.policy), 60), "policy"),
+              stat("residual bytes", rep.residual_bytes, "residual_bytes",
+                   human_bytes(rep.residual_bytes)),
+              stat("device", rep.device_bytes, "device_bytes"),
+              stat("host", rep.host_bytes, "host_bytes"),
+              stat("compressed", comp, "compressed_bytes"),
+              stat("the inputs themselves", rep.input_bytes, "input_bytes"),
+              stat("peak live", rep.peak_bytes, "peak_bytes", human_bytes(rep.peak_bytes)),
+              stat("records keeping residuals", len(rows), "rows"),
+              stat("records recomputed", n_re, "recompute")]
+    if rep.budget_bytes is not None:
+        totals.append(stat("budget (activations)", rep.budget_bytes, "budget_bytes",
+                           human_bytes(rep.budget_bytes)))
+
+    groups: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        g = groups.setdefault(r.source, {"rows": 0, "device": 0, "host": 0, "comp": 0, "prims": []})
+        g["rows"] += 1
+        g["device"] += r.device_bytes
+        g["host"] += r.host_bytes
+        g["comp"] += r.compressed_bytes
+        g["prims"].append(r.primitive)
+
+    def src_cells(src: str, g: dict[str, Any]) -> str:
+        return (cell(short_source(src, 44), title=src) + cell(g["rows"], "n", g["rows"])
+                + "".join(cell(f"{g[k]:,}", "n", g[k]) for k in ("device", "host", "comp"))
+                + cell(prim_counts(g["prims"]), limit=50))
+
+    extra = by_source_table(groups, (("source", "", 46), ("rows", "n", 7), ("device B", "n", 12),
+                                     ("host B", "n", 12), ("compressed B", "n", 13),
+                                     ("primitives", "", 40)), src_cells)
+    return page("tg-memory", totals, table, extra)

@@ -1,0 +1,130 @@
+"""The tape's and the memory report's HTML rendered by a real browser (headless Chromium):
+the tables and totals are in the rendered DOM, folded groups line up with the table's
+columns when opened, the by-source table sorts on click, and a screenshot is not blank.
+
+Needs the ``chromium`` binary (Debian: ``apt-get install -y chromium``); without it the
+test fails and says so, rather than skipping, so CI cannot pass without looking.
+"""
+
+from __future__ import annotations
+
+import html.parser
+import shutil
+import subprocess
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tapegrad as tg
+from tapegrad import policies as P
+
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]
+
+# Run in the page after load: open every fold, measure, click a sort header, and write
+# the results into <body data-*> so that --dump-dom carries them out.
+PROBE = """<script>
+window.addEventListener('load', function () {
+  var out = document.body.dataset;
+  document.querySelectorAll('details').forEach(function (d) { d.open = true; });
+  ['tapegrad-tape', 'tapegrad-memory'].forEach(function (cls) {
+    var t = document.querySelector('table.' + cls);
+    var heads = t.tHead.rows[0].cells;
+    var inner = t.querySelector('table.tg-inner');
+    var cells = inner.rows[0].cells, worst = 0;
+    for (var i = 0; i < heads.length; i++)
+      worst = Math.max(worst, Math.abs(heads[i].getBoundingClientRect().left
+                                       - cells[i].getBoundingClientRect().left));
+    out[cls.replace('tapegrad-', '') + 'Misalign'] = worst.toFixed(1);
+    out[cls.replace('tapegrad-', '') + 'Width'] = t.getBoundingClientRect().width.toFixed(0);
+  });
+  var src = document.querySelector('table.tg-by-source');
+  var th = src.tHead.rows[0].cells[2];
+  th.click(); th.click();  // twice: descending
+  out.sorted = Array.from(src.tBodies[0].rows).map(function (r) {
+    return r.cells[2].dataset.v; }).join(',');
+});
+</script>"""
+
+
+def chromium() -> str:
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe is None:
+        pytest.fail("headless Chromium is needed to check the HTML tables: "
+                    "apt-get update && apt-get install -y chromium  (Debian's package)")
+    return exe
+
+
+def chain(ws, x):
+    for w in ws:
+        x = jnp.tanh(x @ w) + 0.5 * x
+    return jnp.sum(x ** 2) + jnp.sum(jnp.sin(x))
+
+
+class _Body(html.parser.HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.body: dict[str, str] = {}
+        self.classes: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "body":
+            self.body = a
+        if a.get("class"):
+            self.classes.extend(f"{tag}.{c}" for c in a["class"].split())
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory):
+    ws = [jnp.full((8, 8), 0.01 * (i % 3 + 1)) for i in range(60)]
+    x = jnp.ones((4, 8))
+    tape = tg.trace(chain)(ws, x)
+    rep = tg.memory_report(chain, policy=P.route(
+        lambda i: P.offload() if i.primitive == "dot_general" else P.save()))(ws, x)
+    path = tmp_path_factory.mktemp("html") / "page.html"
+    path.write_text('<!doctype html><html><head><meta charset="utf-8"></head><body>'
+                    f"{tape._repr_html_()}<hr>{rep._repr_html_()}{PROBE}</body></html>",
+                    encoding="utf-8")
+    return path, tape, rep
+
+
+def test_chromium_renders_the_tables(page, tmp_path):
+    path, tape, rep = page
+    exe = chromium()
+    dom = subprocess.run([exe, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom",
+                          path.as_uri()], capture_output=True, text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    p = _Body()
+    p.feed(dom.stdout)
+    for el in ("table.tapegrad-tape", "table.tapegrad-memory", "tr.tg-fold", "table.tg-inner",
+               "table.tg-by-source"):
+        assert el in p.classes, el
+    # the totals, as the browser parsed them
+    assert f'data-key="records" data-v="{len(tape.records)}"' in dom.stdout
+    assert f'data-key="saved_bytes" data-v="{tape.saved_bytes}"' in dom.stdout
+    assert f'data-key="host_bytes" data-v="{rep.host_bytes}"' in dom.stdout
+    assert f"{rep.residual_bytes:,}" in dom.stdout
+    # laid out: tables have a width, an opened fold's columns line up with the header's
+    b = p.body
+    assert int(b["data-tape-width"]) > 400 and int(b["data-memory-width"]) > 400, b
+    assert float(b["data-tape-misalign"]) <= 2 and float(b["data-memory-misalign"]) <= 2, b
+    # the inline sort ran: the by-source table is now in descending byte order
+    got = [int(v) for v in b["data-sorted"].split(",")]
+    assert len(got) >= 2 and got == sorted(got, reverse=True), got
+
+
+def test_chromium_screenshot_is_not_blank(page, tmp_path):
+    path, _, _ = page
+    exe = chromium()
+    png = tmp_path / "shot.png"
+    run = subprocess.run([exe, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}",
+                          "--window-size=1300,900", f"--screenshot={png}", path.as_uri()],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert png.exists() and png.stat().st_size > 10_000
+    import matplotlib.image
+
+    img = matplotlib.image.imread(str(png))[..., :3]
+    ink = np.mean(np.any(np.abs(img - img[0, 0]) > 0.2, axis=-1))
+    assert 0.01 < ink < 0.6, ink  # text on a background: neither empty nor a solid block
