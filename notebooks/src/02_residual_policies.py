@@ -1,0 +1,247 @@
+"""Source of 02_residual_policies.ipynb (build with: python notebooks/_build.py)."""
+
+# %% [markdown]
+# # Residual policies: save, offload, compress, hooks
+#
+# Every value a record keeps for backward goes through the active **residual policy**:
+# `pack(value, info)` in forward, `unpack(packed, info)` in backward. This notebook runs one
+# pre-LN transformer block under each built-in policy, compares their gradients with
+# `jax.grad` and their memory with `tg.memory_report`, and writes a custom policy that
+# profiles residual bytes by primitive.
+
+# %%
+import collections
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import matplotlib.pyplot as plt
+import numpy as np
+from IPython.display import display
+
+import tapegrad as tg
+
+P = tg.policies
+
+# %% [markdown]
+# ## A small transformer block
+#
+# Pre-LN attention + MLP, batch 2, 16 tokens, width 64, 4 heads (the same block as
+# `bench/_models.py`, smaller).
+
+# %%
+HEADS = 4
+
+
+def layernorm(x, g, b, eps=1e-5):
+    mu = jnp.mean(x, -1, keepdims=True)
+    var = jnp.mean((x - mu) ** 2, -1, keepdims=True)
+    return (x - mu) * jax.lax.rsqrt(var + eps) * g + b
+
+
+def block(p, x):
+    b, t, d = x.shape
+    h = layernorm(x, *p["ln1"])
+    q, k, v = jnp.split(h @ p["wqkv"], 3, axis=-1)
+    q, k, v = (a.reshape(b, t, HEADS, d // HEADS).transpose(0, 2, 1, 3) for a in (q, k, v))
+    att = jax.nn.softmax(q @ k.transpose(0, 1, 3, 2) / jnp.sqrt(d // HEADS), axis=-1)
+    o = (att @ v).transpose(0, 2, 1, 3).reshape(b, t, d)
+    x = x + o @ p["wo"]
+    h = layernorm(x, *p["ln2"])
+    return x + jax.nn.gelu(h @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+
+
+def loss(p, x):
+    return jnp.mean(block(p, x) ** 2)
+
+
+d, ff = 64, 256
+ks = jax.random.split(jax.random.PRNGKey(0), 5)
+params = {
+    "ln1": (jnp.ones(d), jnp.zeros(d)), "ln2": (jnp.ones(d), jnp.zeros(d)),
+    "wqkv": jax.random.normal(ks[0], (d, 3 * d)) / np.sqrt(d),
+    "wo": jax.random.normal(ks[1], (d, d)) / np.sqrt(d),
+    "w1": jax.random.normal(ks[2], (d, ff)) / np.sqrt(d), "b1": jnp.zeros(ff),
+    "w2": jax.random.normal(ks[3], (ff, d)) / np.sqrt(ff), "b2": jnp.zeros(d),
+}
+x = jax.random.normal(ks[4], (2, 16, d))
+g_ref = jax.jit(jax.grad(loss))(params, x)  # the oracle (jitted: one compile, not one per op)
+
+# %% [markdown]
+# ## Four policies, one block
+#
+# * `save()` — the default: keep residuals on device as they are;
+# * `offload()` — move them to pinned host memory in forward, back in backward (on CPU the
+#   arrays really change memory kind; the saving shows on an accelerator);
+# * `compress(jnp.bfloat16)` — store floating residuals as bfloat16;
+# * `compress("int8")` — int8 with one absmax scale per tensor.
+#
+# The gradient error is relative to the largest entry of each gradient, worst over leaves.
+
+# %%
+policies = {
+    "save": P.save(),
+    "offload": P.offload(),
+    "bf16": P.compress(jnp.bfloat16),
+    "int8": P.compress("int8"),
+}
+
+
+def rel_error(g, ref):
+    return max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+               for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(ref)))
+
+
+grads, reports = {}, {}
+for name, policy in policies.items():
+    grads[name] = tg.grad(loss, policy=policy)(params, x)
+    reports[name] = tg.memory_report(loss, policy=policy)(params, x)
+
+print(f"{'policy':<8} {'grad rel. err':>13} {'device B':>10} {'host B':>10} {'peak B':>10}")
+for name, rep in reports.items():
+    print(f"{name:<8} {rel_error(grads[name], g_ref):>13.2e} {rep.device_bytes:>10,} "
+          f"{rep.host_bytes:>10,} {rep.peak_bytes:>10,}")
+
+# %% [markdown]
+# What these numbers must be, checked:
+
+# %%
+save, off, bf16, int8 = (reports[k] for k in ("save", "offload", "bf16", "int8"))
+# save and offload keep the values exactly; bf16 has ~8 bits of mantissa, int8 ~7.
+chex.assert_trees_all_close(grads["save"], g_ref, rtol=1e-5, atol=1e-6)
+chex.assert_trees_all_close(grads["offload"], g_ref, rtol=1e-5, atol=1e-6)
+assert rel_error(grads["bf16"], g_ref) < 2e-2
+assert rel_error(grads["int8"], g_ref) < 1e-1
+# offload moves every byte to the host; bf16 halves them; int8 quarters them (plus its scales).
+assert off.device_bytes == 0 and off.host_bytes == save.residual_bytes
+assert bf16.residual_bytes == save.residual_bytes // 2
+assert save.residual_bytes / 4 < int8.residual_bytes < 0.3 * save.residual_bytes
+
+# %% [markdown]
+# A report renders as a table in Jupyter (`MemoryReport._repr_html_`): the bytes each record
+# keeps, where they live, how many are stored in another dtype.
+
+# %%
+display(reports["int8"])
+
+# %% [markdown]
+# ## Timelines side by side
+#
+# `MemoryReport.plot(ax=...)` draws the live residual bytes after each record: rising
+# through forward, falling through backward (the dashed line is the turn). Under `offload`
+# the *device* copies come back only while backward needs them (on an accelerator the host
+# bytes are not device memory; this CPU counts both).
+
+# %%
+fig, axes = plt.subplots(1, len(reports), figsize=(16, 3.2), sharey=True)
+for ax, (name, rep) in zip(axes, reports.items()):
+    rep.plot(ax=ax)
+    ax.set_title(f"{name}: peak {rep.peak_bytes / 1024:.0f} KiB")
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ## Routing: a policy per residual
+#
+# `route(fn)` calls `fn(info)` for each residual and uses the policy it returns. Here: offload
+# what is at least 8 KiB, keep the small ones (layer-norm statistics, scales) on device.
+
+# %%
+def big_to_host(info):
+    return P.offload() if info.nbytes >= 8 << 10 else P.save()
+
+
+routed = tg.memory_report(loss, policy=P.route(big_to_host))(params, x)
+print(f"device {routed.device_bytes:,} B, host {routed.host_bytes:,} B")
+assert routed.device_bytes + routed.host_bytes == save.residual_bytes
+assert 0 < routed.device_bytes < routed.host_bytes
+chex.assert_trees_all_close(tg.grad(loss, policy=P.route(big_to_host))(params, x), g_ref,
+                            rtol=1e-5, atol=1e-6)
+
+# %% [markdown]
+# ## A custom policy: profile residual bytes by primitive
+#
+# Any object with `pack(value, info)` and `unpack(packed, info)` is a policy. `info` is a
+# `tg.ResidualInfo`: the record, which value (`in0`, `out0`, ...), shape, dtype, bytes, source
+# line. This one changes nothing; it counts what passes through.
+
+# %%
+class ProfileBytes:
+    def __init__(self):
+        self.by_primitive = collections.Counter()
+        self.by_line = collections.Counter()
+        self.unpacked = 0
+
+    def pack(self, value, info):
+        self.by_primitive[info.primitive] += info.nbytes
+        self.by_line[info.source.rsplit("/", 1)[-1]] += info.nbytes
+        return value
+
+    def unpack(self, packed, info):
+        self.unpacked += 1
+        return packed
+
+
+prof = ProfileBytes()
+with tg.residual_policy(prof):
+    g_prof = tg.grad(loss)(params, x)
+
+total = sum(prof.by_primitive.values())
+for prim, nbytes in prof.by_primitive.most_common():
+    print(f"{prim:<14} {nbytes:>9,} B  {nbytes / total:6.1%}")
+print(f"{'total':<14} {total:>9,} B")
+
+# Each distinct value is packed once (a value two records save counts once), so the
+# profile adds up to the tape's residual bytes and to memory_report's.
+assert total == tg.trace(loss, argnums=0)(params, x).saved_bytes == save.residual_bytes
+n_distinct = len(tg.trace(loss, argnums=0)(params, x).residual_vars())
+assert prof.unpacked == n_distinct  # each residual is unpacked once per backward
+chex.assert_trees_all_close(g_prof, g_ref, rtol=1e-5, atol=1e-6)
+
+# %% [markdown]
+# ## PyTorch's `saved_tensors_hooks`
+#
+# The same idea with two plain callables, as in PyTorch: `pack(array) -> anything`,
+# `unpack(anything) -> array` (no `info`; use a policy object for that, as above). Residuals
+# packed inside the scope are unpacked by the same hooks, even when `vjp_fn` runs after the
+# scope closed.
+
+# %%
+packed_sizes, unpacked_sizes = [], []
+
+
+def pack_hook(a):
+    packed_sizes.append(a.nbytes)
+    return np.asarray(a)  # e.g. hand the residual to host numpy (eager only)
+
+
+def unpack_hook(a):
+    unpacked_sizes.append(a.nbytes)
+    return jnp.asarray(a)
+
+
+with tg.saved_tensors_hooks(pack_hook, unpack_hook):
+    out, vjp_fn = tg.vjp(loss, params, x)
+assert not unpacked_sizes  # nothing is unpacked before backward
+g_hooks, _ = vjp_fn(jnp.ones_like(out))
+print(f"{len(packed_sizes)} residuals packed ({sum(packed_sizes):,} B), "
+      f"{len(unpacked_sizes)} unpacked")
+assert sorted(packed_sizes) == sorted(unpacked_sizes)
+# tg.vjp differentiates every input (x too), so a few more values are kept than under grad
+assert sum(packed_sizes) == tg.trace(loss)(params, x).saved_bytes
+chex.assert_trees_all_close(g_hooks, g_ref, rtol=1e-5, atol=1e-6)
+
+# %% [markdown]
+# ## Under `jax.jit`
+#
+# Policies are traced like any jax code: `pack`/`unpack` run once, at trace time, and the
+# compiled program carries the casts (or the `device_put`s to host memory).
+
+# %%
+jit_grad = jax.jit(tg.grad(loss, policy=P.compress("int8")))
+chex.assert_trees_all_close(jit_grad(params, x), grads["int8"], rtol=1e-4, atol=1e-6)
+hlo = jit_grad.lower(params, x).as_text()
+n_i8 = len(re.findall(r"tensor<[0-9x]*xi8>", hlo))
+print(f"the jitted program mentions int8 tensors {n_i8} times")
+assert n_i8 > 0
