@@ -176,6 +176,21 @@ def _leaf_bytes(packed) -> tuple[int, int, list]:
     return dev, host, dtypes
 
 
+def _saves_label(rec, keys, first_user) -> str:
+    """What a row holds: the record's own saves, then outputs it is charged for because a
+    later record keeps them (``out0→tanh``), or a recompute segment's input."""
+    own = {rec.residual_key(s) for s in rec.saves}
+    parts = [",".join(map(str, rec.saves))] if rec.saves else []
+    for key in keys:
+        if key in own:
+            continue
+        i = next((j for j, o in enumerate(rec.outputs) if o.id == key), None)
+        user = first_user.get(key)
+        parts.append(f"out{i}→#{user}" if i is not None and user is not None
+                     else "(segment input)")
+    return ",".join(dict.fromkeys(parts)) or "(segment input)"
+
+
 def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> MemoryReport:
     plain = is_plain(policy)
     producer = {o.id: rec.index for rec in tape.records for o in rec.outputs}
@@ -184,10 +199,12 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
 
     # Which record a kept value is charged to: its producer, else its first user.
     owner: dict[Any, int] = {}
+    first_user: dict[Any, str] = {}  # the primitive of the first record that keeps the value
     for rec in tape.records:
         for s_ in rec.saves:
             key = rec.residual_key(s_)
             owner.setdefault(key, producer.get(key, rec.index))
+            first_user.setdefault(key, rec.primitive)
     for seg in tape.segments:
         for v in seg.inputs:
             owner.setdefault(v.id, producer.get(v.id, seg.records[0]))
@@ -217,8 +234,7 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
         if label == "custom_vjp_call":  # show a tg.Function / custom_vjp by its name
             from tapegrad.rules.control import custom_vjp_name
             label = custom_vjp_name(rec.params)
-        rows.append(RecordMemory(rec.index, label, rec.source,
-                                 ",".join(map(str, rec.saves)) or "(segment input)",
+        rows.append(RecordMemory(rec.index, label, rec.source, _saves_label(rec, keys, first_user),
                                  dev, host, comp, orig))
 
     def compressed(key) -> bool:  # the same test as a row's compressed_bytes
