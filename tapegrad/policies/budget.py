@@ -10,20 +10,24 @@ replaying the same save/release/recompute schedule the interpreter follows.
 Budgets count *activation* residuals: values kept for backward that are not
 the function's own inputs (those are alive anyway, whatever is saved).
 
-Search (see `Budget.plan`): keep the hints if they fit; otherwise a family of
-single-level "cut" plans in the style of Chen et al.'s sublinear
-checkpointing, each scored exactly by `estimate`. This is a tested heuristic;
-it is not the optimal dynamic program on chains (revolve), left as future work.
+Search (see `Budget.plan`): keep the hints if they fit; on a chain, the exact
+dynamic program of `_planner_chain`; on other tapes, the same program over
+layers (`_planner_stages`); on any tape, the hand-written policies' own
+decisions (dots saved, ...), cut plans in the style of Chen et al.'s sublinear
+checkpointing alone and combined with them, and greedy search
+(`_planner_search`). Every candidate is scored by `estimate`, the executor's
+own schedule, so the choice is never worse than a candidate it tried.
+Records with side effects (io_callback, any effect `passes.check_effects` rejects)
+are never recomputed.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Sequence
+import math
+from collections.abc import Sequence
+from typing import Any
 
-import numpy as np
-
-from tapegrad._tape import Record, Tape, Var
+from tapegrad._tape import Record, Tape, itemsize
 from tapegrad.errors import TapegradError
 
 __all__ = ["Budget", "budget", "estimate", "BudgetError", "record_flops"]
@@ -35,15 +39,21 @@ class BudgetError(TapegradError, ValueError):
 
 def record_flops(rec: Record) -> float:
     """A rough cost of re-running ``rec``: 2·M·N·K for dots, output size otherwise."""
-    out = sum(int(np.prod(o.shape)) for o in rec.outputs)
+    out = sum(math.prod(o.shape) for o in rec.outputs)
     if rec.primitive == "dot_general":
         (lc, _), _ = rec.params["dimension_numbers"]
-        k = int(np.prod([rec.inputs[0].shape[d] for d in lc])) if lc else 1
+        k = math.prod(rec.inputs[0].shape[d] for d in lc) if lc else 1
         return 2.0 * out * k
     if rec.primitive == "conv_general_dilated":
         rhs = rec.inputs[1].shape
-        return 2.0 * out * int(np.prod(rhs)) / max(rhs[0], 1)
+        return 2.0 * out * math.prod(rhs) / max(rhs[0], 1)
     return float(max(out, 1))
+
+
+def _nbytes(v) -> int:
+    # Var.nbytes's number, without numpy's per-call overhead (the planner scores
+    # hundreds of plans of hundreds of records)
+    return math.prod(v.shape) * itemsize(v.dtype)
 
 
 def _uses(tape: Tape) -> dict[Any, int]:
@@ -60,13 +70,25 @@ def _uses(tape: Tape) -> dict[Any, int]:
     return uses
 
 
-def estimate(tape: Tape) -> tuple[int, float]:
-    """(peak live activation-residual bytes, recompute flops) of a planned tape."""
+def estimate(tape: Tape, memo: dict | None = None) -> tuple[int, float]:
+    """(peak live activation-residual bytes, recompute flops) of a planned tape.
+
+    ``memo`` (optional, for the planner scoring many plans of one tape) caches each
+    segment's recomputation peak and flops across calls."""
+    peak, flops, _ = simulate(tape, memo)
+    return peak, flops
+
+
+def simulate(tape: Tape, memo: dict | None = None, trace: dict | None = None
+             ) -> tuple[int, float, dict[Any, int]]:
+    """`estimate`'s schedule: (peak, flops, bytes of each kept residual key); with
+    ``trace``, also the largest live bytes while backward runs each record (by index)."""
     from tapegrad._checkpoint import segment_peak
 
+    memo = {} if memo is None else memo
     inputs = {v.id for v in tape.inputs} | {v.id for v, _ in tape.consts}
     kept, seg_of = tape.residual_keys()
-    size = {k: (0 if (isinstance(k, int) and k in inputs) else v.nbytes) for k, v in kept.items()}
+    size = {k: (0 if (isinstance(k, int) and k in inputs) else _nbytes(v)) for k, v in kept.items()}
     live = sum(size.values())  # forward only adds: the peak of forward is its end
     peak = live
     remaining = _uses(tape)
@@ -93,17 +115,26 @@ def estimate(tape: Tape) -> tuple[int, float]:
             if seg.id in done:
                 continue
             done.add(seg.id)
-            flops += sum(record_flops(tape.records[i]) for i in seg.records)
-            peak = max(peak, live + segment_peak(tape, seg))
+            mkey = (seg.records, tuple(o.id for o in seg.outputs))
+            if mkey not in memo:
+                memo[mkey] = (sum(record_flops(tape.records[i]) for i in seg.records),
+                              segment_peak(tape, seg))
+            seg_flops, seg_peak = memo[mkey]
+            flops += seg_flops
+            peak = max(peak, live + seg_peak)
+            if trace is not None:
+                trace[rec.index] = max(trace.get(rec.index, 0), live + seg_peak)
             for o in seg.outputs:
-                extra[o.id] = o.nbytes
-                live += o.nbytes
+                extra[o.id] = _nbytes(o)
+                live += extra[o.id]
             for v in seg.inputs:
                 release(v.id)
         peak = max(peak, live)
+        if trace is not None:
+            trace[rec.index] = max(trace.get(rec.index, 0), live)
         for key in keys:
             release(key)
-    return peak, flops
+    return peak, flops, size
 
 
 class Budget:
@@ -118,6 +149,9 @@ class Budget:
         self.base = SAVE if base is None else base
         self.prefetch = getattr(self.base, "prefetch", 0)
         self.last: dict[str, Any] = {}
+        # Plans by tape structure: tg.grad, memory_report and jit of one function
+        # trace the same tape; planning it once keeps tracing cheap. Bounded.
+        self._plans: dict[tuple, tuple[list[str], dict[str, Any]]] = {}
 
     def pack(self, value, info):
         return self.base.pack(value, info)
@@ -128,141 +162,74 @@ class Budget:
     def plan(self, tape: Tape, fixed: Sequence[str | None]) -> list[str]:
         """Decisions for every record; ``fixed[i]`` is a binding decision or None.
 
-        1. If the hints (PREFER_x means x; unannotated means save) fit, keep them.
-        2. Otherwise try *cut plans*: walk the tape accumulating activation bytes;
-           every ~S bytes, cut (the values crossing the cut are saved); the spans
-           between cuts are recomputed, except the last ``k`` spans, which stay
-           saved (cheaper, more memory). For each span size S (a geometric range)
-           the largest ``k`` that fits is found by bisection.
-        3. And *ratio plans*: recompute records in order of flops per byte freed
-           (cheap elementwise ops first), the shortest fitting prefix.
-        Every candidate is scored by `estimate` — the executor's own schedule — and
-        the fitting plan with the least recompute flops wins.
+        1. Records with side effects are kept ("save"): recomputing them would run
+           the effect again (`passes.check_effects` would reject the plan).
+        2. If the hints (PREFER_x means x; unannotated means save) fit, keep them.
+        3. Otherwise score candidates with `estimate` (the executor's schedule) and
+           keep the fitting one with the least recompute flops: the exact chain
+           program when the tape is a chain (`_planner_chain`), else the same
+           program over layers (`_planner_stages`); the hand-written policies'
+           decisions, cut plans alone and combined with them, ratio plans, a greedy
+           descent on small tapes, then a greedy refinement of the best
+           (`_planner_search`).
+        ``self.last`` says what was chosen: peak bytes, flops, the winning family.
         """
-        from tapegrad._checkpoint import build_segments
+        from tapegrad.policies import _planner_search as search
+        from tapegrad.policies._planner_chain import as_chain, chain_plan
+        from tapegrad.policies._planner_stages import stage_plan
 
-        n = len(tape.records)
+        fixed = _keep_effects(tape, fixed)
         choose = getattr(self.base, "choose", None)
         hints = [choose(r) if (choose is not None and f is None) else None
                  for r, f in zip(tape.records, fixed)]
-
-        def planned(decisions):
-            recs = tuple(dataclasses.replace(r, decision=d) for r, d in zip(tape.records, decisions))
-            t = dataclasses.replace(tape, records=recs, segments=())
-            return dataclasses.replace(t, segments=build_segments(t, decisions))
-
-        def with_fixed(dec):
-            return [f if f is not None else d for f, d in zip(fixed, dec)]
-
-        hinted = with_fixed(["save" if h is None or h.saves else "recompute" for h in hints])
-        peak, flops = estimate(planned(hinted))
-        if peak <= self.bytes:
-            self.last = {"peak_bytes": peak, "recompute_flops": flops, "plan": "hints"}
-            return hinted
-
-        inputs = {v.id for v in tape.inputs} | {v.id for v, _ in tape.consts}
-        kept0, _ = planned(with_fixed(["save"] * n)).residual_keys()
-        producer = {o.id: r.index for r in tape.records for o in r.outputs}
-        act = [0] * n
-        for k, v in kept0.items():
-            if isinstance(k, int) and k not in inputs and k in producer:
-                act[producer[k]] += v.nbytes
-        last_use: dict[int, int] = {}
-        for r in tape.records:
-            for u in r.inputs:
-                if isinstance(u, Var):
-                    last_use[u.id] = r.index
-
-        def crossing(c: int) -> set[int]:
-            """Producers of the values made at or before record c and used after it."""
-            return {producer[v] for v, lu in last_use.items()
-                    if lu > c and v in producer and producer[v] <= c}
-
-        # Bytes crossing each possible cut (values made at or before it, used after it):
-        # cuts go where little crosses, e.g. between transformer blocks.
-        delta = [0] * (n + 1)
-        for v, lu in last_use.items():
-            if v in producer and v not in inputs:
-                p0 = producer[v]
-                if lu > p0:
-                    nb = tape.records[p0].outputs[[o.id for o in tape.records[p0].outputs].index(v)].nbytes
-                    delta[p0] += nb
-                    delta[lu] -= nb
-        cross, run = [], 0
-        for i in range(n):
-            run += delta[i]
-            cross.append(run)
-        total = max(sum(act), 1)
-        best = None
-        floor = peak
-        sizes = sorted({max(1, int(total / 2 ** (k / 2))) for k in range(0, 25)})
-        for size in sizes:
-            cuts, acc, start = [], 0, 0
-            for i in range(n):
-                acc += act[i]
-                if acc >= size and i < n - 1:
-                    # cut where the least crosses within the last span
-                    c = min(range(max(start, (start + i) // 2), i + 1), key=lambda j: (cross[j], -j))
-                    cuts.append(c)
-                    start = c + 1
-                    acc = sum(act[start:i + 1])
-            spans = [(a + 1, b) for a, b in zip([-1] + cuts, cuts + [n - 1])]
-            keep_at_cuts = set().union(*(crossing(c) for c in cuts)) if cuts else set()
-
-            def decisions(k_saved: int) -> list[str]:
-                dec = ["save"] * n
-                for j, (a, b) in enumerate(spans):
-                    if j >= len(spans) - k_saved:
-                        continue
-                    for i in range(a, b + 1):
-                        if i not in keep_at_cuts:
-                            dec[i] = "recompute"
-                return with_fixed(dec)
-
-            lo, hi = 0, len(spans)  # largest k_saved that fits, by bisection
-            found = None
-            while lo <= hi:
-                mid = (lo + hi) // 2
-                dec = decisions(mid)
-                p, f = estimate(planned(dec))
-                floor = min(floor, p)
-                if p <= self.bytes:
-                    found = (f, p, dec)
-                    lo = mid + 1
-                else:
-                    hi = mid - 1
-            if found is not None and (best is None or found[:2] < best[:2]):
-                best = found
-        # Ratio plans: recompute the records that free the most bytes per flop first
-        # (cheap elementwise ops before matmuls, as jax's dots_saveable does by hand);
-        # the shortest fitting prefix of that order, found by bisection.
-        ratio = sorted((i for i in range(n) if fixed[i] is None and act[i] > 0),
-                       key=lambda i: record_flops(tape.records[i]) / act[i])
-        lo, hi = 1, len(ratio)
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            chosen = set(ratio[:mid])
-            dec = with_fixed(["recompute" if i in chosen else "save" for i in range(n)])
-            p, f = estimate(planned(dec))
-            floor = min(floor, p)
-            if p <= self.bytes:
-                if best is None or (f, p) < best[:2]:
-                    best = (f, p, dec)
-                hi = mid - 1
+        key = (search.structure_key(tape, fixed), tuple(hints))
+        if key in self._plans:
+            dec, self.last = self._plans[key]
+            return list(dec)
+        sc = search.Scorer(tape, fixed, self.bytes)
+        hinted = sc.with_fixed("save" if h is None or h.saves else "recompute" for h in hints)
+        if sc.fits(hinted, "hints"):
+            best = sc.best
+        else:
+            ch = as_chain(tape)
+            if ch is not None:
+                chain_dec = chain_plan(ch, fixed, self.bytes)
+                if chain_dec is not None:
+                    sc.score(chain_dec, "chain DP")
             else:
-                lo = mid + 1
+                stage_dec = stage_plan(sc)
+                if stage_dec is not None:
+                    sc.score(stage_dec, "stage DP")
+            search.class_plans(sc)
+            search.cut_plans(sc)
+            search.ratio_plans(sc)
+            if ch is None:  # on a chain the program is already optimal
+                search.descend(sc)
+            search.refine(sc)
+            best = sc.best
         if best is None:
             raise BudgetError(
                 f"no save/recompute plan found that keeps activation residuals under "
-                f"{self.bytes:,} bytes; the smallest peak among the plans tried is {floor:,} "
+                f"{self.bytes:,} bytes; the smallest peak among the plans tried is {sc.floor:,} "
                 "bytes. Raise the budget to at least that, or make a finer-grained program "
                 "(e.g. tg.checkpoint per layer) so less must be held at once.")
-        flops, peak, dec = best
-        self.last = {"peak_bytes": peak, "recompute_flops": flops, "plan": "cuts"}
-        return dec
+        flops, peak, chosen, family = best
+        self.last = {"peak_bytes": peak, "recompute_flops": flops, "plan": family}
+        if len(self._plans) >= 8:
+            self._plans.pop(next(iter(self._plans)))
+        self._plans[key] = (list(chosen), self.last)
+        return list(chosen)
 
     def __repr__(self) -> str:
         return f"budget(bytes={self.bytes:,}, base={self.base!r})"
+
+
+def _keep_effects(tape: Tape, fixed: Sequence[str | None]) -> list[str | None]:
+    """Binding "save" for every free record with a harmful side effect."""
+    from tapegrad.passes.checks import _harmful, effects_of
+
+    return [f if f is not None or not _harmful(effects_of(r)) else "save"
+            for r, f in zip(tape.records, fixed)]
 
 
 def budget(bytes: int, base: Any = None) -> Budget:
@@ -272,7 +239,7 @@ def budget(bytes: int, base: Any = None) -> Budget:
     tg.grad(loss, policy=tg.policies.budget(bytes=64 << 20))(params, x)
     ```
     ``base`` is the residual policy for what is saved; a `tg.selective` base makes
-    its ALWAYS/NEVER binding and its PREFER_* hints.
+    its ALWAYS/NEVER binding and its PREFER_* hints. Records with side effects are
+    never chosen for recompute.
     """
     return Budget(bytes, base)
-

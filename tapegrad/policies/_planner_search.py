@@ -1,0 +1,307 @@
+"""The planner's search on general tapes: candidate plans, each scored by the
+executor's own schedule (`budget.estimate`), then a greedy refinement.
+
+Candidate families (the planner keeps the fitting plan with the least flops):
+
+* *class plans*: the decisions of the hand-written policies themselves — save only
+  dots (`jax.checkpoint_policies.dots_saveable`), dots without batch dimensions,
+  everything but cheap elementwise/layout ops, nothing — so the planner is never
+  worse than one of them at its budget;
+* *cut plans* (Chen et al.'s sublinear checkpointing): cuts where little crosses
+  (between transformer blocks, say); the values crossing a cut are saved, the
+  spans between cuts recomputed except the last ``k`` (largest ``k`` that fits, by
+  bisection); inside a recomputed span a class plan may still save its records
+  (dots saved, the rest recomputed span by span is what
+  ``jax.checkpoint(dots_saveable)`` per layer does); with few spans, also every
+  mix of saved spans, dots-saved spans and fully recomputed spans;
+* *ratio plans*: recompute records in order of flops per activation byte;
+* *greedy descent* (small tapes): from save-all, recompute the record that frees
+  the most peak bytes per flop, re-scored each step, until the plan fits;
+* *refinement*: from the best plan, give records back to "save", largest
+  recompute cost first, while the plan still fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from tapegrad._tape import Record, Tape, Var
+
+__all__ = ["Scorer", "CLASSES", "class_plans", "cut_plans", "ratio_plans", "descend", "refine"]
+
+# Cheap ops: recomputing them costs little next to what storing their outputs costs.
+_CHEAP = frozenset({
+    "add", "sub", "mul", "div", "neg", "max", "min", "abs", "sign", "exp", "exp2", "log",
+    "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan", "sqrt", "rsqrt", "cbrt",
+    "integer_pow", "pow", "square", "erf", "erf_inv", "select_n", "convert_element_type",
+    "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "split", "slice",
+    "concatenate", "pad", "rev", "copy", "copy_p", "stop_gradient", "clamp", "and", "or",
+    "not", "eq", "ne", "lt", "le", "gt", "ge", "is_finite", "nextafter", "round", "floor",
+    "ceil", "reduce_precision", "iota",
+})
+
+
+def _is_dot(rec: Record) -> bool:
+    return rec.primitive in ("dot_general", "conv_general_dilated")
+
+
+def _is_dot_no_batch(rec: Record) -> bool:
+    if rec.primitive == "conv_general_dilated":
+        return True
+    if rec.primitive != "dot_general":
+        return False
+    (_, _), (lb, _) = rec.params["dimension_numbers"]
+    return not lb
+
+
+# Which records a class plan saves (jax.checkpoint_policies names, where one exists).
+CLASSES: dict[str, Callable[[Record], bool]] = {
+    "dots_saveable": _is_dot,
+    "dots_with_no_batch_dims_saveable": _is_dot_no_batch,
+    "save_all_but_cheap": lambda r: r.primitive not in _CHEAP,
+    "nothing_saveable": lambda r: False,
+}
+
+
+class Scorer:
+    """Scores decision lists with `estimate`, remembering every score, the best
+    fitting plan (least flops, then least peak) and the smallest peak seen."""
+
+    def __init__(self, tape: Tape, fixed: Sequence[str | None], budget: int):
+        self.tape = tape
+        self.fixed = list(fixed)
+        self.budget = budget
+        self.n = len(tape.records)
+        self.best: tuple[float, int, tuple[str, ...], str] | None = None
+        self.by_family: dict[str, tuple[float, int, tuple[str, ...], str]] = {}
+        self.floor: int | None = None
+        self._seen: dict[tuple[str, ...], tuple[int, float]] = {}
+        self._memo: dict = {}  # segment peaks and flops, shared by every score
+
+    def with_fixed(self, dec: Iterable[str]) -> tuple[str, ...]:
+        return tuple(f if f is not None else d for f, d in zip(self.fixed, dec))
+
+    def planned(self, dec: Sequence[str]) -> Tape:
+        from tapegrad._checkpoint import build_segments
+
+        # The schedule (segments, `estimate`) reads decisions from ``dec`` and the
+        # segments, never from Record.decision: no need to copy every record.
+        return dataclasses.replace(self.tape, segments=build_segments(self.tape, dec))
+
+    def score(self, dec: Iterable[str], family: str = "") -> tuple[int, float]:
+        """(peak, flops) of ``dec`` (binding decisions applied); updates best and floor."""
+        from tapegrad.policies.budget import estimate
+
+        d = self.with_fixed(dec)
+        if d not in self._seen:
+            self._seen[d] = estimate(self.planned(d), self._memo)
+            peak, flops = self._seen[d]
+            self.floor = peak if self.floor is None else min(self.floor, peak)
+            if peak <= self.budget:
+                if self.best is None or (flops, peak) < self.best[:2]:
+                    self.best = (flops, peak, d, family)
+                fam = self.by_family.get(family)
+                if fam is None or (flops, peak) < fam[:2]:
+                    self.by_family[family] = (flops, peak, d, family)
+        return self._seen[d]
+
+    def fits(self, dec: Iterable[str], family: str = "") -> bool:
+        return self.score(dec, family)[0] <= self.budget
+
+
+def class_plans(sc: Scorer) -> None:
+    for name, saved in CLASSES.items():
+        sc.score(["save" if saved(r) else "recompute" for r in sc.tape.records], name)
+
+
+def _activation_bytes(sc: Scorer) -> tuple[list[int], list[int], dict[int, int], dict[int, int]]:
+    """Per record: activation bytes kept under save-all, and bytes crossing the
+    position after it; plus producer and last use of each value."""
+    tape = sc.tape
+    n = sc.n
+    inputs = {v.id for v in tape.inputs} | {v.id for v, _ in tape.consts}
+    kept0, _ = sc.planned(sc.with_fixed(["save"] * n)).residual_keys()
+    producer = {o.id: r.index for r in tape.records for o in r.outputs}
+    nbytes = {o.id: o.nbytes for r in tape.records for o in r.outputs}
+    act = [0] * n
+    for k, v in kept0.items():
+        if isinstance(k, int) and k not in inputs and k in producer:
+            act[producer[k]] += v.nbytes
+    last_use: dict[int, int] = {}
+    for r in tape.records:
+        for u in r.inputs:
+            if isinstance(u, Var):
+                last_use[u.id] = r.index
+    delta = [0] * (n + 1)
+    for v, lu in last_use.items():
+        if v in producer and lu > producer[v]:
+            delta[producer[v]] += nbytes[v]
+            delta[lu] -= nbytes[v]
+    cross, run = [], 0
+    for i in range(n):
+        run += delta[i]
+        cross.append(run)
+    return act, cross, producer, last_use
+
+
+def cut_plans(sc: Scorer, classes: Sequence[str] = ("nothing_saveable", "dots_saveable"),
+              mixed_spans: int = 12) -> None:
+    n = sc.n
+    if n < 2:
+        return
+    act, cross, producer, last_use = _activation_bytes(sc)
+
+    def crossing(c: int) -> set[int]:
+        return {producer[v] for v, lu in last_use.items()
+                if lu > c and v in producer and producer[v] <= c}
+
+    total = max(sum(act), 1)
+    cut_sets: list[tuple[int, ...]] = []
+    for size in sorted({max(1, int(total / 2 ** (k / 2))) for k in range(0, 25)}):
+        cuts, acc, start = [], 0, 0
+        for i in range(n):
+            acc += act[i]
+            if acc >= size and i < n - 1:
+                # cut where the least crosses within the later half of the span
+                c = min(range(max(start, (start + i) // 2), i + 1), key=lambda j: (cross[j], -j))
+                cuts.append(c)
+                start = c + 1
+                acc = sum(act[start:i + 1])
+        if tuple(cuts) not in cut_sets:
+            cut_sets.append(tuple(cuts))
+    for cut_set in cut_sets:
+        spans = [(a + 1, b) for a, b in zip((-1,) + cut_set, cut_set + (n - 1,))]
+        at_cuts = set().union(*(crossing(c) for c in cut_set)) if cut_set else set()
+
+        def decisions(levels: Sequence[str | None]) -> list[str]:
+            """Span j recomputed except what class levels[j] saves; None: span saved."""
+            dec = ["save"] * n
+            for (a, b), cls in zip(spans, levels):
+                if cls is not None:
+                    saved = CLASSES[cls]
+                    for i in range(a, b + 1):
+                        if i not in at_cuts and not saved(sc.tape.records[i]):
+                            dec[i] = "recompute"
+            return dec
+
+        m = len(spans)
+        for cls in classes:
+            lo, hi = 0, m  # the largest number of saved spans that fits
+            while lo <= hi:
+                mid = (lo + hi) // 2
+                if sc.fits(decisions([cls] * (m - mid) + [None] * mid), f"cuts+{cls}"):
+                    lo = mid + 1
+                else:
+                    hi = mid - 1
+        if m <= mixed_spans and len(classes) >= 2:
+            # Mixed: the last spans saved, the ones before them with the lighter class
+            # (dots kept), the first ones with the heavier (nothing kept).
+            heavy, light = classes[0], classes[1]
+            for k_saved in range(m):
+                for k_light in range(1, m - k_saved):
+                    levels = ([heavy] * (m - k_saved - k_light) + [light] * k_light
+                              + [None] * k_saved)
+                    sc.score(decisions(levels), f"cuts+{heavy}/{light}")
+
+
+def ratio_plans(sc: Scorer) -> None:
+    """Recompute first the records that free the most bytes per flop; the shortest
+    fitting prefix of that order, by bisection."""
+    from tapegrad.policies.budget import record_flops
+
+    act = _activation_bytes(sc)[0]
+    order = sorted((i for i in range(sc.n) if sc.fixed[i] is None and act[i] > 0),
+                   key=lambda i: record_flops(sc.tape.records[i]) / act[i])
+    lo, hi = 1, len(order)
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        chosen = set(order[:mid])
+        if sc.fits(["recompute" if i in chosen else "save" for i in range(sc.n)], "ratio"):
+            hi = mid - 1
+        else:
+            lo = mid + 1
+
+
+def descend(sc: Scorer, max_records: int = 48) -> None:
+    """Greedy from save-all on small tapes: recompute, one record at a time, the one
+    that frees the most peak bytes per flop added (re-scored with the schedule each
+    step), until the plan fits. O(n^2) scores, so only for tapes of few records."""
+    if sc.n > max_records:
+        return
+    current = ["save"] * sc.n
+    peak, flops = sc.score(current, "greedy")
+    for _ in range(sc.n):
+        if peak <= sc.budget:
+            return
+        step = None
+        for i in range(sc.n):
+            if current[i] == "recompute" or sc.fixed[i] is not None:
+                continue
+            trial = current[:i] + ["recompute"] + current[i + 1:]
+            p, f = sc.score(trial, "greedy")
+            # freed peak bytes per flop; when no single step lowers the peak (values
+            # shared by several records), take the one that raises it least
+            if p < peak:
+                key = ((peak - p) / (f - flops + 1.0), -f)
+            else:
+                key = (-float(p - peak), -f - 1e30)
+            if step is None or key > step[0]:
+                step = (key, trial, p, f)
+        if step is None:
+            return
+        _, current, peak, flops = step
+
+
+def refine(sc: Scorer, starts: int = 2, max_tries: int = 512, patience: int = 96) -> None:
+    """Give recomputed records back to "save", costliest first, while the plan fits;
+    from the best plan of each of the ``starts`` best families (one greedy path can
+    stall where another does not); a path stops after ``patience`` tries in a row
+    that do not help (each try is one score)."""
+    from tapegrad.policies.budget import record_flops
+
+    for flops, _, dec, family in sorted(sc.by_family.values(), key=lambda b: b[:2])[:starts]:
+        planned = sc.planned(dec)
+        in_segments = sorted({i for seg in planned.segments for i in seg.records
+                              if sc.fixed[i] is None},
+                             key=lambda i: -record_flops(sc.tape.records[i]))
+        current = list(dec)
+        misses = 0
+        for i in in_segments[:max_tries]:
+            trial = list(current)
+            trial[i] = "save"
+            peak, f = sc.score(trial, family + "+refined")
+            if peak <= sc.budget and f < flops:
+                current, flops, misses = trial, f, 0
+            else:
+                misses += 1
+                if misses >= patience:
+                    break
+
+
+def structure_key(tape: Tape, fixed: Sequence[Any]) -> tuple:
+    """Identifies a tape's structure (what the plan depends on), to reuse a plan when
+    the same function is traced again (tg.grad, memory_report, jit of the same f).
+
+    Values are renamed canonically, inputs and constants alike (both cost nothing to
+    keep): `memory_report` traces an argument as an input where `tg.grad` with
+    ``argnums`` makes it a constant, and the plan is the same."""
+    from tapegrad.policies.budget import record_flops
+
+    names: dict[int, tuple] = {}
+    recs = []
+    for r in tape.records:
+        ins: list[tuple | None] = []
+        for u in r.inputs:
+            if not isinstance(u, Var):
+                ins.append(None)
+                continue
+            if u.id not in names:
+                names[u.id] = ("free", len(names), u.shape, str(u.dtype))
+            ins.append(names[u.id])
+        for o in r.outputs:
+            names[o.id] = ("out", len(names), o.shape, str(o.dtype))
+        recs.append((r.primitive, tuple(ins), tuple(names[o.id] for o in r.outputs),
+                     r.saves, r.rule, r.region, record_flops(r)))
+    return tuple(recs), tuple(fixed)
