@@ -15,7 +15,7 @@ def mlp_loss(params, x):
     h = x
     for w in params:
         h = jnp.tanh(h @ w)
-    return jnp.mean(h ** 2)
+    return jnp.mean(h**2)
 
 
 def layernorm(x, g, b, eps=1e-5):
@@ -28,11 +28,14 @@ def transformer_params(key, d: int = 128, heads: int = 4, ff: int = 512):
     ks = jax.random.split(key, 6)
     s = 1 / jnp.sqrt(d)
     return {
-        "ln1": (jnp.ones(d), jnp.zeros(d)), "ln2": (jnp.ones(d), jnp.zeros(d)),
+        "ln1": (jnp.ones(d), jnp.zeros(d)),
+        "ln2": (jnp.ones(d), jnp.zeros(d)),
         "wqkv": jax.random.normal(ks[0], (d, 3 * d)) * s,
         "wo": jax.random.normal(ks[1], (d, d)) * s,
-        "w1": jax.random.normal(ks[2], (d, ff)) * s, "b1": jnp.zeros(ff),
-        "w2": jax.random.normal(ks[3], (ff, d)) / jnp.sqrt(ff), "b2": jnp.zeros(d),
+        "w1": jax.random.normal(ks[2], (d, ff)) * s,
+        "b1": jnp.zeros(ff),
+        "w2": jax.random.normal(ks[3], (ff, d)) / jnp.sqrt(ff),
+        "b2": jnp.zeros(d),
         "heads": heads,
     }
 

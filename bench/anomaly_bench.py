@@ -22,10 +22,9 @@ import time
 import warnings
 
 import jax
+from _models import mlp_loss, mlp_params
 
 import tapegrad as tg
-
-from _models import mlp_loss, mlp_params
 
 
 def rounds(fns: dict, n: int) -> dict[str, list[float]]:
@@ -64,11 +63,13 @@ def main() -> None:
         "anomaly, check_inf=True": dict(anomaly=tg.AnomalyMode(check_inf=True)),
         "passes=[check_finite]": dict(passes=[tg.passes.check_finite]),
     }
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, "
-          f"{platform.processor() or platform.machine()}; 8-layer tanh MLP (256 wide, batch 64)")
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].platform}, "
+        f"{platform.processor() or platform.machine()}; 8-layer tanh MLP (256 wide, batch 64)"
+    )
     grads = {k: tg.grad(mlp_loss, **kw) for k, kw in variants.items()}
     eager = {k: (lambda g=g: g(params, x)) for k, g in grads.items()}
-    jitted = {k: (lambda g=jax.jit(g): g(params, x)) for k, g in grads.items()}
+    jitted = {k: (lambda g=jax.jit(g): g(params, x)) for k, g in grads.items()}  # noqa: B008
     report("eager", rounds(eager, n_eager), "off (tg.grad)")
     report("jax.jit", rounds(jitted, n_jit), "off (tg.grad)")
 

@@ -2,30 +2,85 @@
 
 from tapegrad import errors, passes, policies, rules
 from tapegrad._anomaly import AnomalyMode, detect_anomaly, is_anomaly_enabled, set_detect_anomaly
+from tapegrad._checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    checkpoint_sequential,
+    name,
+    selective,
+)
 from tapegrad._checks import gradcheck, gradgradcheck
-from tapegrad._checkpoint import (CheckpointPolicy, checkpoint, checkpoint_sequential, name,
-                                  selective)
 from tapegrad._function import Function, FunctionCtx, once_differentiable
 from tapegrad._hooks import hook
 from tapegrad._memory import MemoryReport, memory_report
 from tapegrad._tape import Lit, Record, Saved, Tape, Var
 from tapegrad._transforms import grad, trace, value_and_grad, vjp
-from tapegrad.errors import (AnomalyError, DtypeError, EffectError, GradcheckError, HookError,
-                             InvalidTapeError, MissingRuleError, NonDifferentiableError,
-                             ResidualError, TapegradError, TracerLeakError)
-from tapegrad.policies import (ResidualInfo, disable_saved_tensors_hooks, residual_policy,
-                               saved_tensors_hooks)
-
 from tapegrad._version import __version__
+from tapegrad.errors import (
+    AnomalyError,
+    DtypeError,
+    EffectError,
+    GradcheckError,
+    HookError,
+    InvalidTapeError,
+    MissingRuleError,
+    NonDifferentiableError,
+    ResidualError,
+    TapegradError,
+    TracerLeakError,
+)
+from tapegrad.policies import (
+    ResidualInfo,
+    disable_saved_tensors_hooks,
+    residual_policy,
+    saved_tensors_hooks,
+)
 
 __all__ = [
-    "CheckpointPolicy", "checkpoint", "checkpoint_sequential", "name", "selective",
-    "HookError", "Lit", "MemoryReport", "NonDifferentiableError", "Record", "ResidualError",
-    "ResidualInfo", "Saved", "Tape", "TapegradError", "Var", "__version__",
-    "disable_saved_tensors_hooks", "errors", "grad", "memory_report", "policies",
-    "residual_policy", "rules", "saved_tensors_hooks", "trace", "value_and_grad", "vjp",
-    "Function", "FunctionCtx", "hook", "once_differentiable",
-    "AnomalyError", "AnomalyMode", "DtypeError", "EffectError", "GradcheckError",
-    "InvalidTapeError", "MissingRuleError", "TracerLeakError", "detect_anomaly", "gradcheck",
-    "gradgradcheck", "is_anomaly_enabled", "passes", "set_detect_anomaly",
+    "CheckpointPolicy",
+    "checkpoint",
+    "checkpoint_sequential",
+    "name",
+    "selective",
+    "HookError",
+    "Lit",
+    "MemoryReport",
+    "NonDifferentiableError",
+    "Record",
+    "ResidualError",
+    "ResidualInfo",
+    "Saved",
+    "Tape",
+    "TapegradError",
+    "Var",
+    "__version__",
+    "disable_saved_tensors_hooks",
+    "errors",
+    "grad",
+    "memory_report",
+    "policies",
+    "residual_policy",
+    "rules",
+    "saved_tensors_hooks",
+    "trace",
+    "value_and_grad",
+    "vjp",
+    "Function",
+    "FunctionCtx",
+    "hook",
+    "once_differentiable",
+    "AnomalyError",
+    "AnomalyMode",
+    "DtypeError",
+    "EffectError",
+    "GradcheckError",
+    "InvalidTapeError",
+    "MissingRuleError",
+    "TracerLeakError",
+    "detect_anomaly",
+    "gradcheck",
+    "gradgradcheck",
+    "is_anomaly_enabled",
+    "passes",
+    "set_detect_anomaly",
 ]

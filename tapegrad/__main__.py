@@ -13,7 +13,7 @@ def mlp(params, x):
     h = x
     for w in params:
         h = jnp.tanh(h @ w)
-    return jnp.mean(h ** 2)
+    return jnp.mean(h**2)
 
 
 def _jax_residual_bytes(f, *args) -> int:
@@ -41,8 +41,10 @@ def main() -> None:
     arg_ids = {v.id for v in tape.inputs}
     tg_bytes = sum(n for k, n in tape.residual_vars().items() if k not in arg_ids)
     jax_bytes = _jax_residual_bytes(mlp, params, x)
-    print(f"residual bytes kept for backward (excluding the inputs): tapegrad {tg_bytes:,} "
-          f"vs jax.vjp {jax_bytes:,}  ({tg_bytes / jax_bytes:.2f}x)")
+    print(
+        f"residual bytes kept for backward (excluding the inputs): tapegrad {tg_bytes:,} "
+        f"vs jax.vjp {jax_bytes:,}  ({tg_bytes / jax_bytes:.2f}x)"
+    )
     np.testing.assert_allclose(np.asarray(g_tg[0]), np.asarray(g_jax[0]), rtol=1e-4, atol=1e-5)
 
 

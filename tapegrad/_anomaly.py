@@ -50,7 +50,8 @@ import functools
 import os
 import sys
 import warnings
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -60,8 +61,13 @@ from jax import lax, tree_util
 from tapegrad._tape import Record, Tape, Var
 from tapegrad.errors import AnomalyError, TracerLeakError
 
-__all__ = ["AnomalyMode", "detect_anomaly", "set_detect_anomaly", "is_anomaly_enabled",
-           "AnomalyObserver"]
+__all__ = [
+    "AnomalyMode",
+    "detect_anomaly",
+    "set_detect_anomaly",
+    "is_anomaly_enabled",
+    "AnomalyObserver",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +89,10 @@ class AnomalyMode:
 
     def __post_init__(self):
         if not (self.check_nan or self.check_inf):
-            raise ValueError("anomaly detection needs check_nan=True or check_inf=True "
-                             "(otherwise it checks nothing).")
+            raise ValueError(
+                "anomaly detection needs check_nan=True or check_inf=True "
+                "(otherwise it checks nothing)."
+            )
 
     @property
     def what(self) -> str:
@@ -92,13 +100,16 @@ class AnomalyMode:
 
 
 _MODE: contextvars.ContextVar[AnomalyMode | None] = contextvars.ContextVar(
-    "tapegrad_anomaly", default=None)
+    "tapegrad_anomaly", default=None
+)
 _WARNED = False
 
-WARNING = ("tapegrad anomaly detection is enabled: every record's outputs and every "
-           "cotangent are checked for {what}. This slows forward and backward (eagerly "
-           "most: one check per record; see bench/anomaly_bench.py); use it to debug, "
-           "not to train.")
+WARNING = (
+    "tapegrad anomaly detection is enabled: every record's outputs and every "
+    "cotangent are checked for {what}. This slows forward and backward (eagerly "
+    "most: one check per record; see bench/anomaly_bench.py); use it to debug, "
+    "not to train."
+)
 
 
 def _user_stacklevel() -> int:
@@ -130,8 +141,14 @@ class detect_anomaly(contextlib.ContextDecorator):
     Scopes nest and are restored on exit, also when the body raises (a contextvar).
     """
 
-    def __init__(self, check_nan: bool = True, *, check_inf: bool = False, forward: bool = True,
-                 check_leaks: bool = False):
+    def __init__(
+        self,
+        check_nan: bool = True,
+        *,
+        check_inf: bool = False,
+        forward: bool = True,
+        check_leaks: bool = False,
+    ):
         self.mode = AnomalyMode(check_nan, check_inf, forward, check_leaks)
         self._tokens: list = []
         _warn_enabled(self.mode)
@@ -155,8 +172,15 @@ class set_detect_anomaly:
     ```
     """
 
-    def __init__(self, mode: bool, check_nan: bool = True, *, check_inf: bool = False,
-                 forward: bool = True, check_leaks: bool = False):
+    def __init__(
+        self,
+        mode: bool,
+        check_nan: bool = True,
+        *,
+        check_inf: bool = False,
+        forward: bool = True,
+        check_leaks: bool = False,
+    ):
         new = AnomalyMode(check_nan, check_inf, forward, check_leaks) if mode else None
         if new is not None:
             _warn_enabled(new)
@@ -212,7 +236,8 @@ def leak_check(mode: AnomalyMode | None, fun: Any) -> Iterator[None]:
             f"a value traced inside a tapegrad transform of {name} escaped the function: it "
             "was stored where it outlives the trace (a global, a list, an attribute). Using it "
             "later raises jax's UnexpectedTracerError. Return the value instead (for a value "
-            "that is not differentiated, use has_aux=True).\njax's report:\n" + str(e)) from e
+            "that is not differentiated, use has_aux=True).\njax's report:\n" + str(e)
+        ) from e
 
 
 # ---------------------------------------------------------------------------
@@ -284,8 +309,9 @@ def describe_record(r: Record) -> str:
     return f"#{r.index} {outs} = {r.primitive}{params} {ins}".rstrip()
 
 
-def feeding_chain(rec: Record, producers: dict[int, Record], depth: int = 3,
-                  limit: int = 6) -> list[str]:
+def feeding_chain(
+    rec: Record, producers: dict[int, Record], depth: int = 3, limit: int = 6
+) -> list[str]:
     """The records that produced ``rec``'s inputs, breadth first, a few steps back."""
     lines, seen, frontier = [], {rec.index}, [rec]
     for _ in range(depth):
@@ -322,24 +348,31 @@ def _what(code: int) -> str:
     return "NaN" if code == NAN else "Inf"
 
 
-def message(site: Site, code: int, producers: dict[int, Record], mode: AnomalyMode,
-            traced: bool) -> str:
+def message(
+    site: Site, code: int, producers: dict[int, Record], mode: AnomalyMode, traced: bool
+) -> str:
     bad = _what(code)
     var = f"{site.var}:{site.var.aval}" if isinstance(site.var, Var) else str(site.var)
     lines: list[str]
     if site.kind == "input":
-        lines = [f"{bad} in the function's input {site.label} ({var}), before any record ran.",
-                 "What to do: check the values passed to the transform."]
+        lines = [
+            f"{bad} in the function's input {site.label} ({var}), before any record ran.",
+            "What to do: check the values passed to the transform.",
+        ]
     elif site.kind == "cotangent":
-        lines = [f"{bad} in the cotangent passed to vjp_fn for output {site.label} ({var}).",
-                 "What to do: check the cotangent (it is not produced by tapegrad)."]
+        lines = [
+            f"{bad} in the cotangent passed to vjp_fn for output {site.label} ({var}).",
+            "What to do: check the cotangent (it is not produced by tapegrad).",
+        ]
     elif site.kind == "forward":
         rec = site.record
-        lines = [f"{bad} in the output of '{rec.primitive}' (record #{rec.index}) at {rec.source}: "
-                 f"its output {site.index} ({var}).",
-                 f"It is the first record whose output has {bad}: the function's inputs and "
-                 "every earlier record's outputs passed the same check.",
-                 f"Forward record: {describe_record(rec)}"]
+        lines = [
+            f"{bad} in the output of '{rec.primitive}' (record #{rec.index}) at {rec.source}: "
+            f"its output {site.index} ({var}).",
+            f"It is the first record whose output has {bad}: the function's inputs and "
+            "every earlier record's outputs passed the same check.",
+            f"Forward record: {describe_record(rec)}",
+        ]
         chain = feeding_chain(rec, producers)
         if chain:
             lines += ["The records that fed it:", *chain]
@@ -347,14 +380,17 @@ def message(site: Site, code: int, producers: dict[int, Record], mode: AnomalyMo
             f"What to do: look at the inputs of '{rec.primitive}' at {rec.source}; the usual "
             "causes are log/sqrt/pow of a negative or zero value, 0/0, inf - inf, or an "
             "overflow. If a jnp.where discards these values on purpose, check backward only: "
-            "tg.detect_anomaly(forward=False).")
+            "tg.detect_anomaly(forward=False)."
+        )
     else:
         rec = site.record
-        lines = [f"backward of '{rec.primitive}' (record #{rec.index}) returned {bad} values in "
-                 f"its {site.index}th output: the cotangent of its input {site.index} ({var}).",
-                 f"Forward record: {describe_record(rec)}   at {rec.source}",
-                 "It is the first VJP rule in this backward pass to return "
-                 f"{bad}; the cotangents it received passed the same check."]
+        lines = [
+            f"backward of '{rec.primitive}' (record #{rec.index}) returned {bad} values in "
+            f"its {site.index}th output: the cotangent of its input {site.index} ({var}).",
+            f"Forward record: {describe_record(rec)}   at {rec.source}",
+            "It is the first VJP rule in this backward pass to return "
+            f"{bad}; the cotangents it received passed the same check.",
+        ]
         chain = feeding_chain(rec, producers)
         if chain:
             lines += ["The forward records that fed it:", *chain]
@@ -362,10 +398,12 @@ def message(site: Site, code: int, producers: dict[int, Record], mode: AnomalyMo
             f"What to do: the derivative of '{rec.primitive}' is not finite at the values it saw "
             f"at {rec.source} (e.g. log, sqrt or pow at 0, or 0 * inf in the chain rule). Guard "
             "the argument, not only the result: jnp.where(ok, f(jnp.where(ok, x, 1.0)), 0.0), "
-            "or add an epsilon.")
+            "or add an epsilon."
+        )
     if traced:
-        lines.append("(Checked under a jax trace: raised from a host callback when the "
-                     "compiled call ran.)")
+        lines.append(
+            "(Checked under a jax trace: raised from a host callback when the compiled call ran.)"
+        )
     return "\n".join(lines)
 
 
@@ -382,8 +420,13 @@ class _Report:
             raise AnomalyError(message(self.sites[k], code, self.producers, self.mode, traced))
 
 
-def emit(sites: Sequence[Site], codes: list, producers: dict[int, Record], mode: AnomalyMode,
-         values: Sequence[Any] = ()) -> list:
+def emit(
+    sites: Sequence[Site],
+    codes: list,
+    producers: dict[int, Record],
+    mode: AnomalyMode,
+    values: Sequence[Any] = (),
+) -> list:
     """Check ``codes`` now (concrete values) or stage a check that does (traced values).
 
     Returns ``values``: under a trace, tied to the staged check (see `_stage`), so
@@ -420,13 +463,15 @@ def _stage(report: _Report, bad, probes):
     path: a fixed ~0.5 ms per call on CPU, which is most of the jit overhead on
     the small benchmark MLP and negligible on large programs.)
     """
+
     def host(codes):
         report(codes, traced=True)
         return np.zeros((), np.int8)
 
     def call(f):
-        return jax.pure_callback(host, jax.ShapeDtypeStruct((), jnp.int8), f,
-                                 vmap_method="sequential")
+        return jax.pure_callback(
+            host, jax.ShapeDtypeStruct((), jnp.int8), f, vmap_method="sequential"
+        )
 
     return lax.cond(bad, call, lambda f: jnp.zeros((), jnp.int8), probes)
 
@@ -474,7 +519,7 @@ class AnomalyObserver:
             self._producers = producers_of(self.tape)
         return self._producers
 
-    def fresh(self) -> "AnomalyObserver":
+    def fresh(self) -> AnomalyObserver:
         """An observer for one more backward pass over the same tape (``vjp_fn`` calls)."""
         new = AnomalyObserver(self.mode, self.tape, self.input_labels)
         new._producers = self._producers
@@ -497,8 +542,9 @@ class AnomalyObserver:
                 self._add(Site("backward", i, rec, rec.inputs[i]), ct)
 
     # -- called by the transforms
-    def forward_done(self, args: Sequence[Any], outs: Sequence[Any] = (),
-                     defer_traced: bool = False) -> list:
+    def forward_done(
+        self, args: Sequence[Any], outs: Sequence[Any] = (), defer_traced: bool = False
+    ) -> list:
         """Check the inputs and the forward pass; returns ``outs`` (tied to the check under a
         trace). Under a trace with ``defer_traced`` the codes wait for `backward_done`
         (one check for the whole program)."""

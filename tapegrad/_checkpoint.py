@@ -18,7 +18,8 @@ import dataclasses
 import enum
 import functools
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -27,8 +28,15 @@ from tapegrad import _jax_compat as compat
 from tapegrad._tape import Record, Segment, Tape, Var
 from tapegrad.policies._base import SAVE
 
-__all__ = ["CheckpointPolicy", "Selective", "selective", "checkpoint", "name",
-           "checkpoint_sequential", "plan_recompute"]
+__all__ = [
+    "CheckpointPolicy",
+    "Selective",
+    "selective",
+    "checkpoint",
+    "name",
+    "checkpoint_sequential",
+    "plan_recompute",
+]
 
 
 class CheckpointPolicy(enum.Enum):
@@ -85,8 +93,14 @@ class Selective:
 
     # Called by jax.checkpoint when a tg.checkpoint(policy=selective) runs under jax.grad.
     def __call__(self, prim, *avals, **params) -> bool:
-        rec = Record(-1, prim.name, tuple(Var(-1, tuple(a.shape), np.dtype(a.dtype)) for a in avals),
-                     (), params, prim=prim)
+        rec = Record(
+            -1,
+            prim.name,
+            tuple(Var(-1, tuple(a.shape), np.dtype(a.dtype)) for a in avals),
+            (),
+            params,
+            prim=prim,
+        )
         return self.choose(rec).saves
 
     def __repr__(self) -> str:
@@ -105,14 +119,21 @@ def selective(fn: Callable[[Record], Any], base: Any = None) -> Selective:
     return Selective(fn, base)
 
 
-def checkpoint(fun: Callable, policy: Any = None, *, prevent_cse: bool = True,
-               static_argnums: int | tuple[int, ...] = ()) -> Callable:
+def checkpoint(
+    fun: Callable,
+    policy: Any = None,
+    *,
+    prevent_cse: bool = True,
+    static_argnums: int | tuple[int, ...] = (),
+) -> Callable:
     """Recompute ``fun``'s residuals in backward instead of keeping them.
 
     Built on `jax.checkpoint`, so the same code runs under `jax.grad`.
     ``policy`` is a `tg.selective` policy or any `jax.checkpoint_policies` policy.
     """
-    return jax.checkpoint(fun, policy=policy, prevent_cse=prevent_cse, static_argnums=static_argnums)
+    return jax.checkpoint(
+        fun, policy=policy, prevent_cse=prevent_cse, static_argnums=static_argnums
+    )
 
 
 def name(x: Any, name: str) -> Any:
@@ -122,8 +143,9 @@ def name(x: Any, name: str) -> Any:
     return checkpoint_name(x, name)
 
 
-def checkpoint_sequential(functions: Sequence[Callable], segments: int | str, input: Any,
-                          policy: Any = None) -> Any:
+def checkpoint_sequential(
+    functions: Sequence[Callable], segments: int | str, input: Any, policy: Any = None
+) -> Any:
     """PyTorch's ``checkpoint_sequential``: run ``functions`` in order, checkpointing
     ``segments`` equal-length chunks; the last chunk is not checkpointed.
 
@@ -135,8 +157,9 @@ def checkpoint_sequential(functions: Sequence[Callable], segments: int | str, in
     if segments == "sqrt":
         segments = max(1, round(math.sqrt(n)))
     if not isinstance(segments, int) or segments < 1:
-        raise ValueError(f"checkpoint_sequential: segments must be a positive int or 'sqrt', "
-                         f"got {segments!r}.")
+        raise ValueError(
+            f"checkpoint_sequential: segments must be a positive int or 'sqrt', got {segments!r}."
+        )
     segments = min(segments, n)
     size = n // segments
 
@@ -148,7 +171,7 @@ def checkpoint_sequential(functions: Sequence[Callable], segments: int | str, in
     x = input
     start = 0
     for _ in range(segments - 1):
-        chunk = tuple(functions[start:start + size])
+        chunk = tuple(functions[start : start + size])
         x = checkpoint(functools.partial(run, chunk), policy=policy)(x)
         start += size
     return run(functions[start:], x)
@@ -157,13 +180,17 @@ def checkpoint_sequential(functions: Sequence[Callable], segments: int | str, in
 # ---------------------------------------------------------------------------
 # The pass: decisions and segments.
 
+
 def _region_decides(rec: Record, region) -> str:
     pol = region.policy
     if isinstance(pol, Selective):
         return pol.decide(rec)
     if rec.names:  # checkpoint_name: ask the policy as jax would, with name_p
-        prim, avals, params = compat.name_p, [jax.ShapeDtypeStruct(rec.outputs[0].shape,
-                                                                   rec.outputs[0].dtype)], {"name": rec.names[0]}
+        prim, avals, params = (
+            compat.name_p,
+            [jax.ShapeDtypeStruct(rec.outputs[0].shape, rec.outputs[0].dtype)],
+            {"name": rec.names[0]},
+        )
     else:
         prim = rec.prim
         avals = [jax.ShapeDtypeStruct(i.shape, i.dtype) for i in rec.inputs]
@@ -261,12 +288,23 @@ def build_segments(tape: Tape, decisions: Sequence[str]) -> tuple[Segment, ...]:
                 if isinstance(u, Var) and u.id not in inside:
                     inputs.setdefault(u.id, u)
         inputs_of.append(inputs)
-    has_aux = [any(s.kind == "aux" for i in idxs for s in tape.records[i].saves
-                   if tape.records[i].rule != "none") for idxs in groups_l]
+    has_aux = [
+        any(
+            s.kind == "aux"
+            for i in idxs
+            for s in tape.records[i].saves
+            if tape.records[i].rule != "none"
+        )
+        for idxs in groups_l
+    ]
 
     def outputs(g: int, stored: set[int]) -> list[Var]:
-        return [o for i in groups_l[g] for o in tape.records[i].outputs
-                if o.id in wanted.get(i, ()) and o.id not in stored]
+        return [
+            o
+            for i in groups_l[g]
+            for o in tape.records[i].outputs
+            if o.id in wanted.get(i, ()) and o.id not in stored
+        ]
 
     # A value some segment keeps as an input is stored, so no segment needs to
     # recompute it; a segment left with nothing to provide is dropped (e.g. a
@@ -290,8 +328,9 @@ def build_segments(tape: Tape, decisions: Sequence[str]) -> tuple[Segment, ...]:
         outs = outputs(g, stored)
         region = tape.records[idxs[0]].region
         prevent = regions[region].prevent_cse if region is not None else True
-        segments.append(Segment(len(segments), tuple(idxs), tuple(inputs_of[g].values()),
-                                tuple(outs), prevent))
+        segments.append(
+            Segment(len(segments), tuple(idxs), tuple(inputs_of[g].values()), tuple(outs), prevent)
+        )
     pruned = tuple(_prune(tape, seg, producer) for seg in segments)
     kept = {v.id for seg in pruned for v in seg.inputs}
     provided = {o.id for seg in pruned for o in seg.outputs}
@@ -305,8 +344,11 @@ def _prune(tape: Tape, seg: Segment, producer: dict[int, Record]) -> Segment:
     members = set(seg.records)
     keep: set[int] = set()
     stack = [producer[o.id].index for o in seg.outputs]
-    stack += [i for i in seg.records if tape.records[i].rule != "none"
-              and any(s.kind == "aux" for s in tape.records[i].saves)]
+    stack += [
+        i
+        for i in seg.records
+        if tape.records[i].rule != "none" and any(s.kind == "aux" for s in tape.records[i].saves)
+    ]
     while stack:
         i = stack.pop()
         if i in keep:

@@ -18,7 +18,8 @@ term alone is ~0.1, so a correct gradient fails and a wrong one can pass.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +36,8 @@ _LOW_PRECISION_WHY = (
     "machine_eps / eps, i.e. 1.2e-7 / {eps:g} = {err:.1g} in float32, far above atol={atol:g}, "
     "so a correct gradient would fail (and a wrong one could pass). Pass float64 inputs "
     "(np.asarray(x, np.float64) works without enabling x64: gradcheck enables it for the "
-    "check only), or pass allow_low_precision=True to have gradcheck cast them to float64.")
+    "check only), or pass allow_low_precision=True to have gradcheck cast them to float64."
+)
 
 
 def _as_tuple(args) -> tuple:
@@ -51,33 +53,49 @@ def _leaf_dtype(x) -> np.dtype:
 class _Problem:
     """``f`` as a function of its floating leaves (float64); other leaves stay as given."""
 
-    def __init__(self, f: Callable, args: tuple, allow_low_precision: bool, eps: float, atol: float,
-                 what: str, n_args: int | None = None):
+    def __init__(
+        self,
+        f: Callable,
+        args: tuple,
+        allow_low_precision: bool,
+        eps: float,
+        atol: float,
+        what: str,
+        n_args: int | None = None,
+    ):
         leaves, self.in_tree = tree_util.tree_flatten(args)
         paths = tree_util.tree_flatten_with_path(args)[0]
         labels = [f"args{tree_util.keystr(p)}" for p, _ in paths]
         if n_args is not None:  # gradgradcheck: the arguments after n_args are cotangents
-            labels = [lab if p[0].idx < n_args else
-                      f"grad_outputs[{p[0].idx - n_args}]{tree_util.keystr(p[1:])}"
-                      for lab, (p, _) in zip(labels, paths)]
+            labels = [
+                lab
+                if p[0].idx < n_args
+                else f"grad_outputs[{p[0].idx - n_args}]{tree_util.keystr(p[1:])}"
+                for lab, (p, _) in zip(labels, paths)
+            ]
         self.diff: list[int] = []  # leaf positions of the checked inputs
         x0 = []
         for k, x in enumerate(leaves):
             dt = _leaf_dtype(x)
             if jnp.issubdtype(dt, jnp.complexfloating):
-                raise DtypeError(f"{what}: input {k} ({labels[k]}) is complex ({dt.name}); "
-                                 "gradcheck supports real inputs. Pass the real and imaginary "
-                                 "parts as separate float64 inputs.")
+                raise DtypeError(
+                    f"{what}: input {k} ({labels[k]}) is complex ({dt.name}); "
+                    "gradcheck supports real inputs. Pass the real and imaginary "
+                    "parts as separate float64 inputs."
+                )
             if jnp.issubdtype(dt, jnp.floating):
                 if dt != np.float64 and not allow_low_precision:
                     raise DtypeError(
-                        f"{what}: input {k} ({labels[k]}) is {dt.name}. " +
-                        _LOW_PRECISION_WHY.format(eps=eps, err=1.2e-7 / eps, atol=atol))
+                        f"{what}: input {k} ({labels[k]}) is {dt.name}. "
+                        + _LOW_PRECISION_WHY.format(eps=eps, err=1.2e-7 / eps, atol=atol)
+                    )
                 self.diff.append(k)
                 x0.append(jnp.asarray(np.asarray(x, np.float64)))
         if not self.diff:
-            raise DtypeError(f"{what}: no floating-point input to check; the inputs are "
-                             f"{[_leaf_dtype(x).name for x in leaves]}.")
+            raise DtypeError(
+                f"{what}: no floating-point input to check; the inputs are "
+                f"{[_leaf_dtype(x).name for x in leaves]}."
+            )
         self.f, self.leaves, self.x0 = f, leaves, x0
         self.labels = [labels[k] for k in self.diff]
 
@@ -96,8 +114,10 @@ def _float_outputs(leaves, what: str) -> list[int]:
     for k, o in enumerate(leaves):
         dt = np.dtype(jnp.result_type(o))
         if jnp.issubdtype(dt, jnp.complexfloating):
-            raise DtypeError(f"{what}: output {k} is complex ({dt.name}); gradcheck supports real "
-                             "outputs. Return the real and imaginary parts separately.")
+            raise DtypeError(
+                f"{what}: output {k} is complex ({dt.name}); gradcheck supports real "
+                "outputs. Return the real and imaginary parts separately."
+            )
         if jnp.issubdtype(dt, jnp.floating):
             idx.append(k)
     if not idx:
@@ -165,8 +185,9 @@ def _check_full(p: _Problem, fn, eps, atol, rtol, raise_exception, policy, what)
             cts = [_zero_ct(x) for x in out_leaves]
             onehot = np.zeros(size, np.float64)
             onehot[e] = 1.0
-            cts[o] = jnp.asarray(onehot.reshape(np.shape(out_leaves[o])),
-                                 jnp.result_type(out_leaves[o]))
+            cts[o] = jnp.asarray(
+                onehot.reshape(np.shape(out_leaves[o])), jnp.result_type(out_leaves[o])
+            )
             in_cts = vjp_fn(tree_util.tree_unflatten(out_tree, cts))
             for j in range(len(p.x0)):
                 rows[(o, j)].append(np.asarray(in_cts[j], np.float64).reshape(-1))
@@ -184,18 +205,24 @@ def _check_full(p: _Problem, fn, eps, atol, rtol, raise_exception, policy, what)
                 continue
             r, c = np.argwhere(~ok)[0]
             diffs = np.abs(a - n)
-            msg = [f"{what}: Jacobian mismatch for output {o} with respect to input {p.diff[j]} "
-                   f"({p.labels[j]}), at element {_fmt_idx(np.shape(p.x0[j]), c)} of the input "
-                   f"and element {_fmt_idx(np.shape(out_leaves[o]), r)} of the output:",
-                   f"    analytical (tapegrad): {float(a[r, c])!r}",
-                   f"    numerical  (central differences, eps={eps:g}): {float(n[r, c])!r}",
-                   f"    |difference| = {diffs[r, c]:.3g} > atol + rtol * |numerical| = "
-                   f"{atol + rtol * abs(n[r, c]):.3g}",
-                   f"{int((~ok).sum())} of {ok.size} elements differ; the largest difference is "
-                   f"{np.nanmax(diffs) if np.isfinite(diffs).any() else np.nan:.3g}."]
+            msg = [
+                f"{what}: Jacobian mismatch for output {o} with respect to input {p.diff[j]} "
+                f"({p.labels[j]}), at element {_fmt_idx(np.shape(p.x0[j]), c)} of the input "
+                f"and element {_fmt_idx(np.shape(out_leaves[o]), r)} of the output:",
+                f"    analytical (tapegrad): {float(a[r, c])!r}",
+                f"    numerical  (central differences, eps={eps:g}): {float(n[r, c])!r}",
+                f"    |difference| = {diffs[r, c]:.3g} > atol + rtol * |numerical| = "
+                f"{atol + rtol * abs(n[r, c]):.3g}",
+                f"{int((~ok).sum())} of {ok.size} elements differ; the largest difference is "
+                f"{np.nanmax(diffs) if np.isfinite(diffs).any() else np.nan:.3g}.",
+            ]
             if a.size <= 64:
-                msg += ["analytical Jacobian (rows: output elements, columns: input elements):",
-                        _small(a), "numerical Jacobian:", _small(n)]
+                msg += [
+                    "analytical Jacobian (rows: output elements, columns: input elements):",
+                    _small(a),
+                    "numerical Jacobian:",
+                    _small(n),
+                ]
             return _fail("\n".join(msg), raise_exception)
     return True
 
@@ -212,8 +239,10 @@ def _check_fast(p: _Problem, fn, eps, atol, rtol, raise_exception, policy, what,
     out_leaves, out_tree, vjp_fn = _analytical(p, policy)
     out_idx = _float_outputs(out_leaves, what)
     u = {o: _unit(rng, np.shape(out_leaves[o])) for o in out_idx}
-    cts = [jnp.asarray(u[o], jnp.result_type(x)) if o in u else _zero_ct(x)
-           for o, x in enumerate(out_leaves)]
+    cts = [
+        jnp.asarray(u[o], jnp.result_type(x)) if o in u else _zero_ct(x)
+        for o, x in enumerate(out_leaves)
+    ]
     in_cts = vjp_fn(tree_util.tree_unflatten(out_tree, cts))
     for j in range(len(p.x0)):
         x = np.asarray(p.x0[j], np.float64)
@@ -224,20 +253,33 @@ def _check_fast(p: _Problem, fn, eps, atol, rtol, raise_exception, policy, what,
         fp, fm = fn(xp), fn(xm)
         numerical = float(sum(np.sum(u[o] * _diff(fp, fm, o, eps)) for o in out_idx))
         # As in PyTorch, atol scales with the sums of the projection vectors.
-        tol = (atol * sum(float(np.sum(u[o])) for o in out_idx) * float(np.sum(v))
-               + rtol * abs(numerical))
+        tol = atol * sum(float(np.sum(u[o])) for o in out_idx) * float(np.sum(v)) + rtol * abs(
+            numerical
+        )
         if not abs(analytical - numerical) <= tol:
             return _fail(
                 f"{what} (fast_mode): the projected Jacobian u^T J v differs for input "
                 f"{p.diff[j]} ({p.labels[j]}): analytical (tapegrad) {analytical!r}, numerical "
                 f"{numerical!r}, |difference| {abs(analytical - numerical):.3g} > tolerance "
-                f"{tol:.3g}. Rerun with fast_mode=False to find the element.", raise_exception)
+                f"{tol:.3g}. Rerun with fast_mode=False to find the element.",
+                raise_exception,
+            )
     return True
 
 
-def gradcheck(f: Callable, args: Any, eps: float = 1e-6, atol: float = 1e-5, rtol: float = 1e-3,
-              raise_exception: bool = True, fast_mode: bool = False, *,
-              allow_low_precision: bool = False, policy: Any = None, seed: int = 0) -> bool:
+def gradcheck(
+    f: Callable,
+    args: Any,
+    eps: float = 1e-6,
+    atol: float = 1e-5,
+    rtol: float = 1e-3,
+    raise_exception: bool = True,
+    fast_mode: bool = False,
+    *,
+    allow_low_precision: bool = False,
+    policy: Any = None,
+    seed: int = 0,
+) -> bool:
     """Check tapegrad's reverse-mode Jacobian of ``f(*args)`` against central differences.
 
     ```python
@@ -261,12 +303,35 @@ def gradcheck(f: Callable, args: Any, eps: float = 1e-6, atol: float = 1e-5, rto
 
     Runs with ``jax_enable_x64`` on, in a scope that restores the caller's setting.
     """
-    return _gradcheck(f, args, eps, atol, rtol, raise_exception, fast_mode, allow_low_precision,
-                      policy, seed, "gradcheck")
+    return _gradcheck(
+        f,
+        args,
+        eps,
+        atol,
+        rtol,
+        raise_exception,
+        fast_mode,
+        allow_low_precision,
+        policy,
+        seed,
+        "gradcheck",
+    )
 
 
-def _gradcheck(f, args, eps, atol, rtol, raise_exception, fast_mode, allow_low_precision,
-               policy, seed, what, n_args=None) -> bool:
+def _gradcheck(
+    f,
+    args,
+    eps,
+    atol,
+    rtol,
+    raise_exception,
+    fast_mode,
+    allow_low_precision,
+    policy,
+    seed,
+    what,
+    n_args=None,
+) -> bool:
     with jax.enable_x64(True):
         p = _Problem(f, _as_tuple(args), allow_low_precision, eps, atol, what, n_args)
         fn = jax.jit(lambda xs: tree_util.tree_leaves(p.call(xs)))
@@ -275,10 +340,20 @@ def _gradcheck(f, args, eps, atol, rtol, raise_exception, fast_mode, allow_low_p
         return _check_full(p, fn, eps, atol, rtol, raise_exception, policy, what)
 
 
-def gradgradcheck(f: Callable, args: Any, grad_outputs: Any = None, eps: float = 1e-6,
-                  atol: float = 1e-5, rtol: float = 1e-3, raise_exception: bool = True,
-                  fast_mode: bool = False, *, allow_low_precision: bool = False,
-                  policy: Any = None, seed: int = 0) -> bool:
+def gradgradcheck(
+    f: Callable,
+    args: Any,
+    grad_outputs: Any = None,
+    eps: float = 1e-6,
+    atol: float = 1e-5,
+    rtol: float = 1e-3,
+    raise_exception: bool = True,
+    fast_mode: bool = False,
+    *,
+    allow_low_precision: bool = False,
+    policy: Any = None,
+    seed: int = 0,
+) -> bool:
     """Check second derivatives: `gradcheck` of ``(args, v) -> vjp(f, *args)(v)``.
 
     As PyTorch's ``gradgradcheck``, the cotangent ``v`` (``grad_outputs``, random
@@ -295,16 +370,20 @@ def gradgradcheck(f: Callable, args: Any, grad_outputs: Any = None, eps: float =
         out_leaves, out_tree = tree_util.tree_flatten(out)
         _float_outputs(out_leaves, what)
         if any(not jnp.issubdtype(jnp.result_type(o), jnp.floating) for o in out_leaves):
-            raise DtypeError(f"{what}: every output must be floating (their cotangents are "
-                             "inputs of the checked function).")
+            raise DtypeError(
+                f"{what}: every output must be floating (their cotangents are "
+                "inputs of the checked function)."
+            )
         if grad_outputs is None:
             rng = np.random.default_rng(seed)
             v = [rng.standard_normal(np.shape(o)) for o in out_leaves]
         else:
             v = [np.asarray(c, np.float64) for c in tree_util.tree_leaves(grad_outputs)]
             if len(v) != len(out_leaves):
-                raise ValueError(f"{what}: grad_outputs has {len(v)} leaves; the function's "
-                                 f"output has {len(out_leaves)}.")
+                raise ValueError(
+                    f"{what}: grad_outputs has {len(v)} leaves; the function's "
+                    f"output has {len(out_leaves)}."
+                )
         n = len(args)
 
         def first_order(*xs):
@@ -312,6 +391,17 @@ def gradgradcheck(f: Callable, args: Any, grad_outputs: Any = None, eps: float =
             _, vjp_fn = tg_vjp(f, *primals, policy=policy)
             return vjp_fn(tree_util.tree_unflatten(out_tree, list(cts)))
 
-        return _gradcheck(first_order, tuple(host_args) + tuple(v), eps, atol, rtol,
-                          raise_exception, fast_mode, allow_low_precision, policy, seed, what,
-                          n_args=n)
+        return _gradcheck(
+            first_order,
+            tuple(host_args) + tuple(v),
+            eps,
+            atol,
+            rtol,
+            raise_exception,
+            fast_mode,
+            allow_low_precision,
+            policy,
+            seed,
+            what,
+            n_args=n,
+        )

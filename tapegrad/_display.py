@@ -20,7 +20,7 @@ MAX_PERIOD = 64  # longest repeated block looked for (a transformer layer is ~40
 
 def clip(s: str, n: int) -> str:
     """``s`` cut to ``n`` characters, ending in an ellipsis when cut."""
-    return s if len(s) <= n else (s[:n - 1] + "…" if n > 0 else "")
+    return s if len(s) <= n else (s[: n - 1] + "…" if n > 0 else "")
 
 
 _SRC = re.compile(r"^(.*):(\d+) \((.*)\)$")
@@ -46,7 +46,7 @@ def short_source(src: str, limit: int = 40) -> str:
     room = max(limit - len(f":{line} ({fn})"), 6)
     if len(file) > room:
         head = (room - 1) // 2
-        file = file[:head] + "…" + file[len(file) - (room - 1 - head):]
+        file = file[:head] + "…" + file[len(file) - (room - 1 - head) :]
     return f"{file}:{line} ({fn})"
 
 
@@ -60,8 +60,10 @@ def human_bytes(n: float) -> str:
 
 # ------------------------------------------------------------------ folding
 
-def fold_runs(sigs: Sequence[Hashable],
-              fold: Callable[[int, int], bool]) -> list[tuple[int, int, int]]:
+
+def fold_runs(
+    sigs: Sequence[Hashable], fold: Callable[[int, int], bool]
+) -> list[tuple[int, int, int]]:
     """Cover ``sigs`` by ``(start, period, repeats)`` pieces, left to right.
 
     At each position the block length (≤ `MAX_PERIOD`) whose back-to-back repeats cover
@@ -76,8 +78,8 @@ def fold_runs(sigs: Sequence[Hashable],
         for p in range(1, min(MAX_PERIOD, (n - i) // 2) + 1):
             if s[i + p] != s[i]:
                 continue
-            block, r = s[i:i + p], 1
-            while s[i + r * p:i + (r + 1) * p] == block:
+            block, r = s[i : i + p], 1
+            while s[i + r * p : i + (r + 1) * p] == block:
                 r += 1
             if r >= 2 and r * p > cover:
                 cover, period = r * p, p
@@ -91,6 +93,7 @@ def fold_runs(sigs: Sequence[Hashable],
 
 
 # ------------------------------------------------------------------ tape: text
+
 
 def _fold_text(p: int, r: int) -> bool:
     """Text shows a folded run's first and last block: fold when that hides ≥ 4 lines."""
@@ -154,9 +157,16 @@ def _fit_record(rec, budget: int) -> str:
 
 
 def _record_sig(rec) -> tuple:
-    return (rec.primitive, rec.params_str(), tuple(getattr(i, "aval", str(i)) for i in rec.inputs),
-            tuple(o.aval for o in rec.outputs), tuple(map(str, rec.saves)), rec.rule,
-            rec.decision, rec.short_source)
+    return (
+        rec.primitive,
+        rec.params_str(),
+        tuple(getattr(i, "aval", str(i)) for i in rec.inputs),
+        tuple(o.aval for o in rec.outputs),
+        tuple(map(str, rec.saves)),
+        rec.rule,
+        rec.decision,
+        rec.short_source,
+    )
 
 
 def _var_list(vs: Sequence[Any], limit: int) -> str:
@@ -172,7 +182,7 @@ def _var_list(vs: Sequence[Any], limit: int) -> str:
         if j - i >= 2:
             parts.append(f"{vs[i]}…{vs[j]}:{vs[i].aval}")
         else:
-            parts.extend(f"{v}:{v.aval}" for v in vs[i:j + 1])
+            parts.extend(f"{v}:{v.aval}" for v in vs[i : j + 1])
         i = j + 1
     s = " ".join(parts)
     count = f" ({len(vs)} values)"
@@ -208,8 +218,13 @@ def tape_text(tape) -> str:
         hidden = range(start + p, start + (r - 1) * p)
         nbytes = sum(tape.records[i].saved_bytes for i in hidden)
         what = "record" if p == 1 else f"{p} records"
-        lines.append(clip(f"    ⋮ {r - 2} × the {what} above again (#{hidden[0]}–#{hidden[-1]}), "
-                          f"{nbytes:,} bytes saved", WIDTH))
+        lines.append(
+            clip(
+                f"    ⋮ {r - 2} × the {what} above again (#{hidden[0]}–#{hidden[-1]}), "
+                f"{nbytes:,} bytes saved",
+                WIDTH,
+            )
+        )
         lines.extend(row(i) for i in range(start + (r - 1) * p, start + r * p))
     outs = " ".join(str(o) for o in tape.outputs)
     lines.append(f"  in ({clip(outs, WIDTH - 9)}) }}")
@@ -243,17 +258,20 @@ _CSS = """
 """
 
 # Clicking a header sorts that column (numbers by their data-v value); toggles direction.
-_SORT_JS = ("var t=event.target;if(t.tagName!='TH')return;var b=this.parentNode.tBodies[0],"
-            "i=t.cellIndex,d=t.dataset.d=-(t.dataset.d||-1),r=Array.from(b.rows);"
-            "r.sort(function(x,y){x=x.cells[i];y=y.cells[i];var u=x.dataset.v,v=y.dataset.v;"
-            "if(u!==undefined)return d*(u-v);u=x.textContent;v=y.textContent;"
-            "return d*(u<v?-1:u>v?1:0)});r.forEach(function(e){b.appendChild(e)})")
+_SORT_JS = (
+    "var t=event.target;if(t.tagName!='TH')return;var b=this.parentNode.tBodies[0],"
+    "i=t.cellIndex,d=t.dataset.d=-(t.dataset.d||-1),r=Array.from(b.rows);"
+    "r.sort(function(x,y){x=x.cells[i];y=y.cells[i];var u=x.dataset.v,v=y.dataset.v;"
+    "if(u!==undefined)return d*(u-v);u=x.textContent;v=y.textContent;"
+    "return d*(u<v?-1:u>v?1:0)});r.forEach(function(e){b.appendChild(e)})"
+)
 
 e = html.escape
 
 
-def cell(text: Any, cls: str = "", num: int | None = None, title: str | None = None,
-         limit: int = 0) -> str:
+def cell(
+    text: Any, cls: str = "", num: int | None = None, title: str | None = None, limit: int = 0
+) -> str:
     """A ``<td>``; long text is clipped with its full value in the tooltip."""
     s = str(text)
     if limit and len(s) > limit:
@@ -269,8 +287,10 @@ def stat(label: str, value: int | str, key: str, note: str = "") -> str:
     shown = f"{value:,}" if isinstance(value, int) else e(value)
     v = f' data-v="{value}"' if isinstance(value, int) else ""
     note = f" <small>{e(note)}</small>" if note else ""
-    return (f'<div class="tg-stat" data-key="{key}"{v}><small>{e(label)}</small>'
-            f"<b>{shown}{note}</b></div>")
+    return (
+        f'<div class="tg-stat" data-key="{key}"{v}><small>{e(label)}</small>'
+        f"<b>{shown}{note}</b></div>"
+    )
 
 
 def width(cols: Sequence[tuple[str, str, int]]) -> str:
@@ -282,17 +302,26 @@ def header(cols: Sequence[tuple[str, str, int]], sortable: bool = False) -> tupl
     """``(colgroup, thead)`` for columns ``(title, 'n' for numbers or '', width in ch)``.
     Fixed widths keep the rows of a folded group aligned with the table's."""
     # Columns are w ch of text plus 12px of padding; a fixed-layout table needs its width.
-    colgroup = ("<colgroup>"
-                + "".join(f'<col style="width:calc({w}ch + 12px)">' for _, _, w in cols)
-                + "</colgroup>")
+    colgroup = (
+        "<colgroup>"
+        + "".join(f'<col style="width:calc({w}ch + 12px)">' for _, _, w in cols)
+        + "</colgroup>"
+    )
     ths = "".join(f'<th class="{c}">{e(t)}</th>' if c else f"<th>{e(t)}</th>" for t, c, _ in cols)
-    onclick = (f' class="tg-sort" onclick="{e(_SORT_JS)}" title="click a column to sort"'
-               if sortable else "")
+    onclick = (
+        f' class="tg-sort" onclick="{e(_SORT_JS)}" title="click a column to sort"'
+        if sortable
+        else ""
+    )
     return colgroup, f"<thead{onclick}><tr>{ths}</tr></thead>"
 
 
-def folded_rows(runs, row: Callable[[int], str], summary: Callable[[int, int, int], str],
-                cols: Sequence[tuple[str, str, int]]) -> list[str]:
+def folded_rows(
+    runs,
+    row: Callable[[int], str],
+    summary: Callable[[int, int, int], str],
+    cols: Sequence[tuple[str, str, int]],
+) -> list[str]:
     """Table rows; each folded run becomes one ``<details>`` row holding its block once."""
     colgroup, _ = header(cols)
     out = []
@@ -301,28 +330,37 @@ def folded_rows(runs, row: Callable[[int], str], summary: Callable[[int, int, in
             out.append(row(start))
             continue
         inner = "".join(row(i) for i in range(start, start + p))
-        out.append(f'<tr class="tg-fold" data-start="{start}" data-period="{p}" data-repeats="{r}">'
-                   f'<td colspan="{len(cols)}"><details><summary>'
-                   f'{summary(start, p, r)}</summary><table class="tg-inner" {width(cols)}>'
-                   f"{colgroup}"
-                   f"<tbody>{inner}</tbody></table></details></td></tr>")
+        out.append(
+            f'<tr class="tg-fold" data-start="{start}" data-period="{p}" data-repeats="{r}">'
+            f'<td colspan="{len(cols)}"><details><summary>'
+            f'{summary(start, p, r)}</summary><table class="tg-inner" {width(cols)}>'
+            f"{colgroup}"
+            f"<tbody>{inner}</tbody></table></details></td></tr>"
+        )
     return out
 
 
-def by_source_table(groups: dict[str, dict[str, Any]], cols: Sequence[tuple[str, str, int]],
-                    cells: Callable[[str, dict[str, Any]], str]) -> str:
+def by_source_table(
+    groups: dict[str, dict[str, Any]],
+    cols: Sequence[tuple[str, str, int]],
+    cells: Callable[[str, dict[str, Any]], str],
+) -> str:
     """A sortable table, one row per source line (``groups`` in display order)."""
     colgroup, thead = header(cols, sortable=True)
     rows = "".join(f"<tr>{cells(src, g)}</tr>" for src, g in groups.items())
-    return (f'<details class="tg-by-source"><summary>By source line '
-            f"({len(groups)} lines; click a column to sort)</summary>"
-            f'<table class="tg-by-source" {width(cols)}>{colgroup}{thead}<tbody>{rows}</tbody>'
-            "</table></details>")
+    return (
+        f'<details class="tg-by-source"><summary>By source line '
+        f"({len(groups)} lines; click a column to sort)</summary>"
+        f'<table class="tg-by-source" {width(cols)}>{colgroup}{thead}<tbody>{rows}</tbody>'
+        "</table></details>"
+    )
 
 
 def page(cls: str, totals: Sequence[str], table: str, extra: str = "") -> str:
-    return (f'<div class="tg-view {cls}"><style>{_CSS}</style>'
-            f'<div class="tg-totals">{"".join(totals)}</div>{table}{extra}</div>')
+    return (
+        f'<div class="tg-view {cls}"><style>{_CSS}</style>'
+        f'<div class="tg-totals">{"".join(totals)}</div>{table}{extra}</div>'
+    )
 
 
 def prim_counts(prims: Sequence[str], limit: int = 4) -> str:
@@ -336,9 +374,16 @@ def prim_counts(prims: Sequence[str], limit: int = 4) -> str:
 
 # ------------------------------------------------------------------ tape: HTML
 
-_TAPE_COLS = (("#", "n", 6), ("primitive", "", 15), ("inputs", "", 22), ("outputs", "", 14),
-              ("saves", "", 27), ("saves B", "n", 11), ("decision", "", 11),
-              ("source", "", 40))
+_TAPE_COLS = (
+    ("#", "n", 6),
+    ("primitive", "", 15),
+    ("inputs", "", 22),
+    ("outputs", "", 14),
+    ("saves", "", 27),
+    ("saves B", "n", 11),
+    ("decision", "", 11),
+    ("source", "", 40),
+)
 
 
 def _decision(rec) -> tuple[str, str]:
@@ -364,59 +409,84 @@ def tape_html(tape) -> str:
         saves = ", ".join(f"{s} {aval_str(s.shape, s.dtype)}" for s in r.saves)
         dec, cls = _decision(r)
         params = r.params_str()
-        return ("<tr>" + cell(r.index, "n", r.index)
-                + cell(r.primitive, title=clip(params, 300) if params else None)
-                + cell(ins, limit=60) + cell(outs, limit=60) + cell(saves, limit=80)
-                + cell(f"{r.saved_bytes:,}", "n", r.saved_bytes) + cell(dec, cls)
-                + cell(short_source(r.short_source, 40), title=r.source) + "</tr>")
+        return (
+            "<tr>"
+            + cell(r.index, "n", r.index)
+            + cell(r.primitive, title=clip(params, 300) if params else None)
+            + cell(ins, limit=60)
+            + cell(outs, limit=60)
+            + cell(saves, limit=80)
+            + cell(f"{r.saved_bytes:,}", "n", r.saved_bytes)
+            + cell(dec, cls)
+            + cell(short_source(r.short_source, 40), title=r.source)
+            + "</tr>"
+        )
 
     def summary(start: int, p: int, r: int) -> str:
-        block = recs[start:start + p]
-        nbytes = sum(x.saved_bytes for x in recs[start:start + p * r])
+        block = recs[start : start + p]
+        nbytes = sum(x.saved_bytes for x in recs[start : start + p * r])
         srcs = sorted({short_source(x.short_source, 40) for x in block})
         what = f"{p} records" if p > 1 else "record"
-        return (f"<b>{r} ×</b> the same {what} (#{start}–#{start + p * r - 1}): "
-                f"{e(clip(' '.join(x.primitive for x in block), 80))} · "
-                f"<b>{nbytes:,}</b> B in saves · {e(clip(', '.join(srcs), 90))}")
+        return (
+            f"<b>{r} ×</b> the same {what} (#{start}–#{start + p * r - 1}): "
+            f"{e(clip(' '.join(x.primitive for x in block), 80))} · "
+            f"<b>{nbytes:,}</b> B in saves · {e(clip(', '.join(srcs), 90))}"
+        )
 
     runs = fold_runs([_record_sig(r) for r in recs], _fold_html)
     colgroup, thead = header(_TAPE_COLS)
     body = "".join(folded_rows(runs, row, summary, _TAPE_COLS))
-    table = (f'<table class="tapegrad-tape" {width(_TAPE_COLS)}>{colgroup}{thead}'
-             f"<tbody>{body}</tbody></table>")
+    table = (
+        f'<table class="tapegrad-tape" {width(_TAPE_COLS)}>{colgroup}{thead}'
+        f"<tbody>{body}</tbody></table>"
+    )
 
     kept = tape.residual_vars()
     input_ids = {v.id for v in tape.inputs}
     in_bytes = sum(b for k, b in kept.items() if isinstance(k, int) and k in input_ids)
     n_re = sum(r.decision == "recompute" for r in recs)
     n_fb = sum(r.rule == "fallback" for r in recs)
-    totals = [stat("records", len(recs), "records"),
-              stat("kept for backward (distinct)", tape.saved_bytes, "saved_bytes",
-                   human_bytes(tape.saved_bytes)),
-              stat("of which the inputs", in_bytes, "input_bytes"),
-              stat("activations", tape.saved_bytes - in_bytes, "activation_bytes"),
-              stat("recomputed records", n_re, "recompute"),
-              stat("fallback rules", n_fb, "fallback")]
+    totals = [
+        stat("records", len(recs), "records"),
+        stat(
+            "kept for backward (distinct)",
+            tape.saved_bytes,
+            "saved_bytes",
+            human_bytes(tape.saved_bytes),
+        ),
+        stat("of which the inputs", in_bytes, "input_bytes"),
+        stat("activations", tape.saved_bytes - in_bytes, "activation_bytes"),
+        stat("recomputed records", n_re, "recompute"),
+        stat("fallback rules", n_fb, "fallback"),
+    ]
 
     groups: dict[str, dict[str, Any]] = {}
     for r in recs:
-        g = groups.setdefault(r.short_source,
-                              {"records": 0, "bytes": 0, "prims": [], "full": r.source})
+        g = groups.setdefault(
+            r.short_source, {"records": 0, "bytes": 0, "prims": [], "full": r.source}
+        )
         g["records"] += 1
         g["bytes"] += r.saved_bytes
         g["prims"].append(r.primitive)
 
     def src_cells(src: str, g: dict[str, Any]) -> str:
-        return (cell(short_source(src, 44), title=g["full"]) + cell(g["records"], "n", g["records"])
-                + cell(f"{g['bytes']:,}", "n", g["bytes"])
-                + cell(prim_counts(g["prims"]), limit=60))
+        return (
+            cell(short_source(src, 44), title=g["full"])
+            + cell(g["records"], "n", g["records"])
+            + cell(f"{g['bytes']:,}", "n", g["bytes"])
+            + cell(prim_counts(g["prims"]), limit=60)
+        )
 
-    extra = by_source_table(groups, (("source", "", 46), ("records", "n", 9),
-                                     ("saves B", "n", 13), ("primitives", "", 48)), src_cells)
+    extra = by_source_table(
+        groups,
+        (("source", "", 46), ("records", "n", 9), ("saves B", "n", 13), ("primitives", "", 48)),
+        src_cells,
+    )
     return page("tg-tape", totals, table, extra)
 
 
 # ------------------------------------------------------------------ memory report
+
 
 def report_decision(r) -> str:
     """How a report row's residuals are kept, read off where their bytes live."""
@@ -431,16 +501,27 @@ def report_decision(r) -> str:
 
 
 def _report_sig(r) -> tuple:
-    return (r.primitive, r.saves, r.device_bytes, r.host_bytes, r.compressed_bytes,
-            short_source(r.source, 36))
+    return (
+        r.primitive,
+        r.saves,
+        r.device_bytes,
+        r.host_bytes,
+        r.compressed_bytes,
+        short_source(r.source, 36),
+    )
 
 
 def report_head(rep) -> list[str]:
     lines = [clip(f"memory_report(policy={rep.policy!r}):", WIDTH)]
     comp = sum(r.compressed_bytes for r in rep.records)
-    lines.append(clip(f"  residuals {rep.residual_bytes:,} B: device {rep.device_bytes:,}, host "
-                      f"{rep.host_bytes:,}, compressed {comp:,}; the inputs themselves "
-                      f"{rep.input_bytes:,}", WIDTH))
+    lines.append(
+        clip(
+            f"  residuals {rep.residual_bytes:,} B: device {rep.device_bytes:,}, host "
+            f"{rep.host_bytes:,}, compressed {comp:,}; the inputs themselves "
+            f"{rep.input_bytes:,}",
+            WIDTH,
+        )
+    )
     tail = f"  peak {rep.peak_bytes:,} B live over forward + backward"
     if rep.budget_bytes is not None:
         tail += f"; budget {rep.budget_bytes:,} B (inputs not counted)"
@@ -450,34 +531,50 @@ def report_head(rep) -> list[str]:
 
 def report_text(rep) -> str:
     lines = report_head(rep)
-    lines.append(f"{'#':>5} {'primitive':<14} {'saves':<12} {'device':>11} {'host':>11} "
-                 f"{'compressed':>10}  source")
+    lines.append(
+        f"{'#':>5} {'primitive':<14} {'saves':<12} {'device':>11} {'host':>11} "
+        f"{'compressed':>10}  source"
+    )
     rows = rep.records
 
     def row(i: int) -> str:
         r = rows[i]
         saves = "(seg. input)" if r.saves == "(segment input)" else r.saves
-        return (f"{r.index:>5} {clip(r.primitive, 14):<14} {clip(saves, 12):<12} "
-                f"{r.device_bytes:>11,} {r.host_bytes:>11,} {r.compressed_bytes:>10,}  "
-                f"{short_source(r.source, 30)}")
+        return (
+            f"{r.index:>5} {clip(r.primitive, 14):<14} {clip(saves, 12):<12} "
+            f"{r.device_bytes:>11,} {r.host_bytes:>11,} {r.compressed_bytes:>10,}  "
+            f"{short_source(r.source, 30)}"
+        )
 
     for start, p, r in fold_runs([_report_sig(x) for x in rows], _fold_text):
         if r == 1:
             lines.append(row(start))
             continue
         lines.extend(row(i) for i in range(start, start + p))
-        hidden = rows[start + p:start + (r - 1) * p]
+        hidden = rows[start + p : start + (r - 1) * p]
         what = "row" if p == 1 else f"{p} rows"
-        lines.append(clip(f"    ⋮ {r - 2} × the {what} above again (#{hidden[0].index}–"
-                          f"#{hidden[-1].index}): {sum(x.device_bytes for x in hidden):,} device, "
-                          f"{sum(x.host_bytes for x in hidden):,} host bytes", WIDTH))
+        lines.append(
+            clip(
+                f"    ⋮ {r - 2} × the {what} above again (#{hidden[0].index}–"
+                f"#{hidden[-1].index}): {sum(x.device_bytes for x in hidden):,} device, "
+                f"{sum(x.host_bytes for x in hidden):,} host bytes",
+                WIDTH,
+            )
+        )
         lines.extend(row(i) for i in range(start + (r - 1) * p, start + r * p))
     return "\n".join(line if len(line) <= WIDTH else clip(line, WIDTH) for line in lines)
 
 
-_REPORT_COLS = (("#", "n", 6), ("primitive", "", 15), ("saves", "", 26), ("decision", "", 14),
-                ("device B", "n", 12), ("host B", "n", 12), ("compressed B", "n", 13),
-                ("source", "", 40))
+_REPORT_COLS = (
+    ("#", "n", 6),
+    ("primitive", "", 15),
+    ("saves", "", 26),
+    ("decision", "", 14),
+    ("device B", "n", 12),
+    ("host B", "n", 12),
+    ("compressed B", "n", 13),
+    ("source", "", 40),
+)
 
 
 def report_html(rep) -> str:
@@ -494,45 +591,63 @@ def report_html(rep) -> str:
     def row(i: int) -> str:
         r = rows[i]
         dec = report_decision(r)
-        return ("<tr>" + cell(r.index, "n", r.index) + cell(r.primitive)
-                + cell(saves_of(r), limit=80)
-                + cell(dec, "d-" + dec.split("+")[-1].split(" ")[0])
-                + cell(f"{r.device_bytes:,}", "n", r.device_bytes)
-                + cell(f"{r.host_bytes:,}", "n", r.host_bytes)
-                + cell(f"{r.compressed_bytes:,}", "n", r.compressed_bytes)
-                + cell(short_source(r.source, 40), title=r.source) + "</tr>")
+        return (
+            "<tr>"
+            + cell(r.index, "n", r.index)
+            + cell(r.primitive)
+            + cell(saves_of(r), limit=80)
+            + cell(dec, "d-" + dec.split("+")[-1].split(" ")[0])
+            + cell(f"{r.device_bytes:,}", "n", r.device_bytes)
+            + cell(f"{r.host_bytes:,}", "n", r.host_bytes)
+            + cell(f"{r.compressed_bytes:,}", "n", r.compressed_bytes)
+            + cell(short_source(r.source, 40), title=r.source)
+            + "</tr>"
+        )
 
     def summary(start: int, p: int, r: int) -> str:
-        run = rows[start:start + p * r]
+        run = rows[start : start + p * r]
         what = f"{p} rows" if p > 1 else "row"
-        return (f"<b>{r} ×</b> the same {what} (records #{run[0].index}–#{run[-1].index}): "
-                f"{e(clip(' '.join(x.primitive for x in run[:p]), 80))} · device "
-                f"<b>{sum(x.device_bytes for x in run):,}</b> · host "
-                f"<b>{sum(x.host_bytes for x in run):,}</b> · compressed "
-                f"<b>{sum(x.compressed_bytes for x in run):,}</b> B · "
-                f"{e(short_source(run[0].source, 40))}")
+        return (
+            f"<b>{r} ×</b> the same {what} (records #{run[0].index}–#{run[-1].index}): "
+            f"{e(clip(' '.join(x.primitive for x in run[:p]), 80))} · device "
+            f"<b>{sum(x.device_bytes for x in run):,}</b> · host "
+            f"<b>{sum(x.host_bytes for x in run):,}</b> · compressed "
+            f"<b>{sum(x.compressed_bytes for x in run):,}</b> B · "
+            f"{e(short_source(run[0].source, 40))}"
+        )
 
     runs = fold_runs([_report_sig(x) for x in rows], _fold_html)
     colgroup, thead = header(_REPORT_COLS)
     body = "".join(folded_rows(runs, row, summary, _REPORT_COLS))
-    table = (f'<table class="tapegrad-memory" {width(_REPORT_COLS)}>{colgroup}{thead}'
-             f"<tbody>{body}</tbody></table>")
+    table = (
+        f'<table class="tapegrad-memory" {width(_REPORT_COLS)}>{colgroup}{thead}'
+        f"<tbody>{body}</tbody></table>"
+    )
 
     comp = sum(r.compressed_bytes for r in rows)
     n_re = sum(r.decision == "recompute" for r in tape.records) if tape is not None else 0
-    totals = [stat("policy", clip(repr(rep.policy), 60), "policy"),
-              stat("residual bytes", rep.residual_bytes, "residual_bytes",
-                   human_bytes(rep.residual_bytes)),
-              stat("device", rep.device_bytes, "device_bytes"),
-              stat("host", rep.host_bytes, "host_bytes"),
-              stat("compressed", comp, "compressed_bytes"),
-              stat("the inputs themselves", rep.input_bytes, "input_bytes"),
-              stat("peak live", rep.peak_bytes, "peak_bytes", human_bytes(rep.peak_bytes)),
-              stat("records keeping residuals", len(rows), "rows"),
-              stat("records recomputed", n_re, "recompute")]
+    totals = [
+        stat("policy", clip(repr(rep.policy), 60), "policy"),
+        stat(
+            "residual bytes", rep.residual_bytes, "residual_bytes", human_bytes(rep.residual_bytes)
+        ),
+        stat("device", rep.device_bytes, "device_bytes"),
+        stat("host", rep.host_bytes, "host_bytes"),
+        stat("compressed", comp, "compressed_bytes"),
+        stat("the inputs themselves", rep.input_bytes, "input_bytes"),
+        stat("peak live", rep.peak_bytes, "peak_bytes", human_bytes(rep.peak_bytes)),
+        stat("records keeping residuals", len(rows), "rows"),
+        stat("records recomputed", n_re, "recompute"),
+    ]
     if rep.budget_bytes is not None:
-        totals.append(stat("budget (activations)", rep.budget_bytes, "budget_bytes",
-                           human_bytes(rep.budget_bytes)))
+        totals.append(
+            stat(
+                "budget (activations)",
+                rep.budget_bytes,
+                "budget_bytes",
+                human_bytes(rep.budget_bytes),
+            )
+        )
 
     groups: dict[str, dict[str, Any]] = {}
     for r in rows:
@@ -544,11 +659,23 @@ def report_html(rep) -> str:
         g["prims"].append(r.primitive)
 
     def src_cells(src: str, g: dict[str, Any]) -> str:
-        return (cell(short_source(src, 44), title=src) + cell(g["rows"], "n", g["rows"])
-                + "".join(cell(f"{g[k]:,}", "n", g[k]) for k in ("device", "host", "comp"))
-                + cell(prim_counts(g["prims"]), limit=50))
+        return (
+            cell(short_source(src, 44), title=src)
+            + cell(g["rows"], "n", g["rows"])
+            + "".join(cell(f"{g[k]:,}", "n", g[k]) for k in ("device", "host", "comp"))
+            + cell(prim_counts(g["prims"]), limit=50)
+        )
 
-    extra = by_source_table(groups, (("source", "", 46), ("rows", "n", 7), ("device B", "n", 12),
-                                     ("host B", "n", 12), ("compressed B", "n", 13),
-                                     ("primitives", "", 40)), src_cells)
+    extra = by_source_table(
+        groups,
+        (
+            ("source", "", 46),
+            ("rows", "n", 7),
+            ("device B", "n", 12),
+            ("host B", "n", 12),
+            ("compressed B", "n", 13),
+            ("primitives", "", 40),
+        ),
+        src_cells,
+    )
     return page("tg-memory", totals, table, extra)

@@ -59,7 +59,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -72,8 +73,9 @@ __all__ = ["Function", "FunctionCtx", "once_differentiable"]
 
 
 def _is_array(x: Any) -> bool:
-    return (isinstance(x, (jax.Array, np.ndarray, np.generic, jax.core.Tracer))
-            or hasattr(x, "__jax_array__"))
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.core.Tracer)) or hasattr(
+        x, "__jax_array__"
+    )
 
 
 def _is_jax_value(x: Any) -> bool:
@@ -115,7 +117,8 @@ class FunctionCtx:
                 raise TypeError(
                     f"{self._tg_name}: ctx.save_for_backward accepts arrays or None, but "
                     f"argument {i} is a {type(t).__name__} ({t!r:.60}). Store non-array state "
-                    f"as an attribute instead (e.g. ctx.value = ...).")
+                    f"as an attribute instead (e.g. ctx.value = ...)."
+                )
         self._tg_saved = tuple(None if t is None else jnp.asarray(t) for t in tensors)
 
     @property
@@ -124,7 +127,8 @@ class FunctionCtx:
         if not self._tg_in_backward:
             raise RuntimeError(
                 f"{self._tg_name}: ctx.saved_tensors is available in backward only; in "
-                "forward/setup_context use the arrays themselves.")
+                "forward/setup_context use the arrays themselves."
+            )
         return self._tg_saved
 
     def mark_non_differentiable(self, *outputs: Any) -> None:
@@ -140,12 +144,14 @@ class FunctionCtx:
     def mark_dirty(self, *args: Any) -> None:
         raise TypeError(
             f"{self._tg_name}: ctx.mark_dirty has no meaning in jax: arrays are immutable, so "
-            "forward cannot modify an input in place. Return the new value instead.")
+            "forward cannot modify an input in place. Return the new value instead."
+        )
 
     def save_for_forward(self, *args: Any) -> None:
         raise TypeError(
             f"{self._tg_name}: ctx.save_for_forward (forward-mode AD) is not supported: a "
-            "tg.Function is a jax.custom_vjp, which jax cannot differentiate in forward mode.")
+            "tg.Function is a jax.custom_vjp, which jax cannot differentiate in forward mode."
+        )
 
     def __repr__(self) -> str:
         return f"<FunctionCtx of {self._tg_name} needs_input_grad={self.needs_input_grad}>"
@@ -162,7 +168,8 @@ class _Residuals:
 
 
 tree_util.register_pytree_node(
-    _Residuals, lambda r: (r.arrays, r.ctx), lambda ctx, arrays: _Residuals(tuple(arrays), ctx))
+    _Residuals, lambda r: (r.arrays, r.ctx), lambda ctx, arrays: _Residuals(tuple(arrays), ctx)
+)
 
 
 class _Spec:
@@ -188,7 +195,8 @@ class _Spec:
                 raise TypeError(
                     f"{name}.apply: argument {i} ({arg_names[i]!r}) mixes arrays and non-array "
                     f"values ({treedef}). Pass the arrays as separate arguments, or as a pytree "
-                    "whose leaves are all arrays.")
+                    "whose leaves are all arrays."
+                )
             else:
                 self.treedefs.append(None)
                 self.statics.append(a)
@@ -199,8 +207,11 @@ class _Spec:
         # forward and ctx.save_for_backward see arrays, as apply's caller passed.
         out, it = [], iter(x if _is_array(x) else jnp.asarray(x) for x in leaves)
         for a, td in zip(self.statics, self.treedefs):
-            out.append(a if td is None else tree_util.tree_unflatten(
-                td, [next(it) for _ in range(td.num_leaves)]))
+            out.append(
+                a
+                if td is None
+                else tree_util.tree_unflatten(td, [next(it) for _ in range(td.num_leaves)])
+            )
         return tuple(out)
 
     def needs_input_grad(self, perturbed) -> tuple[bool, ...]:
@@ -252,7 +263,8 @@ class Function:
         raise TypeError(
             f"{type(self).__name__} is a tg.Function: do not instantiate it; call "
             f"{type(self).__name__}.apply(...) (calling forward directly runs the plain forward "
-            "computation, without the custom backward).")
+            "computation, without the custom backward)."
+        )
 
     @staticmethod
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -278,30 +290,40 @@ class Function:
             raise NotImplementedError(f"{name} must define a static method forward.")
         if cls.backward is Function.backward:
             raise NotImplementedError(
-                f"{name} must define a static method backward(ctx, *grad_outputs).")
+                f"{name} must define a static method backward(ctx, *grad_outputs)."
+            )
         new_style = cls._new_style()
         params = list(inspect.signature(cls.forward).parameters.values())
         if not new_style:
-            if not params or params[0].kind not in (params[0].POSITIONAL_ONLY,
-                                                    params[0].POSITIONAL_OR_KEYWORD):
+            if not params or params[0].kind not in (
+                params[0].POSITIONAL_ONLY,
+                params[0].POSITIONAL_OR_KEYWORD,
+            ):
                 raise TypeError(
                     f"{name}.forward takes no ctx: an old-style forward is forward(ctx, *args); "
-                    "a new-style forward(*args) needs a setup_context(ctx, inputs, output).")
+                    "a new-style forward(*args) needs a setup_context(ctx, inputs, output)."
+                )
             params = params[1:]
         sig = inspect.Signature(params)
         try:
             bound = sig.bind(*args, **kwargs)
         except TypeError as e:
-            hint = "" if new_style else (
-                f" ({name} has no setup_context, so its forward is old-style: forward(ctx, "
-                "*args), whose first parameter is the ctx. A new-style forward(*args) needs a "
-                "setup_context(ctx, inputs, output).)")
+            hint = (
+                ""
+                if new_style
+                else (
+                    f" ({name} has no setup_context, so its forward is old-style: forward(ctx, "
+                    "*args), whose first parameter is the ctx. A new-style forward(*args) needs a "
+                    "setup_context(ctx, inputs, output).)"
+                )
+            )
             raise TypeError(f"{name}.apply{sig}: {e}{hint}") from None
         bound.apply_defaults()
         if bound.kwargs:
             raise TypeError(
                 f"{name}.forward has keyword-only parameters {sorted(bound.kwargs)}; make them "
-                "positional (every input of a Function gets one gradient in backward).")
+                "positional (every input of a Function gets one gradient in backward)."
+            )
         inputs = tuple(bound.args)
         arg_names = _arg_names(params, len(inputs))
         spec = _Spec(name, arg_names, inputs)
@@ -332,7 +354,8 @@ def _run_forward(cls, spec: _Spec, ctx: FunctionCtx, args: tuple, new_style: boo
                 f"{spec.name}: ctx.{k} holds a jax array. Arrays needed in backward must be "
                 f"saved with ctx.save_for_backward(...): under a trace an attribute would leak "
                 "a tracer, and the residual policy would not see it. Attributes are for "
-                "non-array state.")
+                "non-array state."
+            )
     return out
 
 
@@ -345,7 +368,8 @@ def _finish_ctx(ctx: FunctionCtx, out: Any) -> None:
         if id(o) not in ids:
             raise ValueError(
                 f"{ctx._tg_name}: ctx.mark_non_differentiable got a value that is not an output "
-                "of forward. Pass the very arrays forward returns.")
+                "of forward. Pass the very arrays forward returns."
+            )
         marked.add(ids[id(o)])
     ctx._tg_non_diff = []  # the output objects are tracers: do not keep them
     ctx._tg_marked = frozenset(marked)
@@ -388,8 +412,7 @@ def _call(cls, spec: _Spec, new_style: bool):
         ct_leaves = ctx._tg_out_tree.flatten_up_to(ct)
         grads_out = []
         for k, (g, dt) in enumerate(zip(ct_leaves, ctx._tg_out_dtypes)):
-            if (k in ctx._tg_marked or _is_no_cotangent(g)
-                    or not jnp.issubdtype(dt, jnp.inexact)):
+            if k in ctx._tg_marked or _is_no_cotangent(g) or not jnp.issubdtype(dt, jnp.inexact):
                 g = jnp.zeros(g.shape, dt) if ctx._tg_materialize else None
             grads_out.append(g)
         grads_out = tree_util.tree_unflatten(ctx._tg_out_tree, grads_out)
@@ -425,7 +448,8 @@ def _check_grads(spec: _Spec, ctx: FunctionCtx, grads: Any) -> list:
         raise TypeError(
             f"{name}.backward returned {len(grads)} gradient(s), but {name}.forward takes "
             f"{n} input(s) ({', '.join(spec.arg_names)}). Return one entry per forward input, "
-            "None for inputs that need no gradient.")
+            "None for inputs that need no gradient."
+        )
     out: list = []
     it = iter(spec.in_avals)
     for i, (g, td, needs) in enumerate(zip(grads, spec.treedefs, ctx.needs_input_grad)):
@@ -434,7 +458,8 @@ def _check_grads(spec: _Spec, ctx: FunctionCtx, grads: Any) -> list:
             if g is not None:
                 raise TypeError(
                     f"{name}.backward returned a gradient for {what}, which is not an array "
-                    f"(a {type(spec.statics[i]).__name__}); return None for it.")
+                    f"(a {type(spec.statics[i]).__name__}); return None for it."
+                )
             continue
         xs = [next(it) for _ in range(td.num_leaves)]
         if g is None or not needs:
@@ -445,7 +470,8 @@ def _check_grads(spec: _Spec, ctx: FunctionCtx, grads: Any) -> list:
         except (TypeError, ValueError):
             raise TypeError(
                 f"{name}.backward returned a gradient for {what} with structure "
-                f"{tree_util.tree_structure(g)}, but the input has structure {td}.") from None
+                f"{tree_util.tree_structure(g)}, but the input has structure {td}."
+            ) from None
         for x, gl in zip(xs, gs):
             out.append(None if gl is None else _fit_grad(name, what, gl, x))
     return out
@@ -453,8 +479,10 @@ def _check_grads(spec: _Spec, ctx: FunctionCtx, grads: Any) -> list:
 
 def _fit_grad(name: str, what: str, g: Any, aval: tuple):
     if not _is_array(g) and not isinstance(g, (int, float, complex)):
-        raise TypeError(f"{name}.backward returned a {type(g).__name__} as the gradient of "
-                        f"{what}; return an array (or None).")
+        raise TypeError(
+            f"{name}.backward returned a {type(g).__name__} as the gradient of "
+            f"{what}; return an array (or None)."
+        )
     g = jnp.asarray(g)
     want_shape, want_dtype = aval
     if not jnp.issubdtype(want_dtype, jnp.inexact):
@@ -468,10 +496,12 @@ def _fit_grad(name: str, what: str, g: Any, aval: tuple):
             raise ValueError(
                 f"{name}.backward returned a gradient of shape {g.shape} for {what} of shape "
                 f"{want_shape}. Return a gradient shaped like the input (or one the input "
-                "broadcasts to, which is summed down).")
+                "broadcasts to, which is summed down)."
+            )
         lead = g.ndim - len(want_shape)
-        axes = tuple(range(lead)) + tuple(lead + k for k, s in enumerate(want_shape)
-                                          if s == 1 and g.shape[lead + k] != 1)
+        axes = tuple(range(lead)) + tuple(
+            lead + k for k, s in enumerate(want_shape) if s == 1 and g.shape[lead + k] != 1
+        )
         g = g.sum(axis=axes).reshape(want_shape)
     if g.dtype != want_dtype:
         g = g.astype(want_dtype)
@@ -536,7 +566,8 @@ def _once_barrier(name: str):
             f"{name}.backward is decorated with @tg.once_differentiable, so it cannot be "
             "differentiated, but a higher-order gradient through it was requested. Remove "
             "@once_differentiable and write backward with differentiable jax ops to "
-            "support double backward.")
+            "support double backward."
+        )
 
     barrier.__name__ = barrier.__qualname__ = f"{name}.backward[once_differentiable]"
     f = jax.custom_vjp(barrier)

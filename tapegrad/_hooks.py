@@ -27,7 +27,8 @@ Two kinds of hook, because jax traces:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -67,8 +68,10 @@ def hook(y: Any, fn: Callable[[Any], Any], *, observe: bool = False) -> Any:
         return y, None
 
     def bwd(_, ct):
-        if all(np.dtype(getattr(c, "dtype", np.float32)) == jax.dtypes.float0
-               for c in tree_util.tree_leaves(ct)):
+        if all(
+            np.dtype(getattr(c, "dtype", np.float32)) == jax.dtypes.float0
+            for c in tree_util.tree_leaves(ct)
+        ):
             return (ct,)  # integer values carry no cotangent: nothing to show
         if observe:
             jax.debug.callback(_discard_result(fn), ct)
@@ -99,7 +102,8 @@ def _check_replacement(fn_name: str, ct: Any, new: Any) -> Any:
         raise HookError(
             f"tg.hook: hook {fn_name} returned a value with structure {new_tree}, but the "
             f"cotangent it received has structure {ct_tree}. Return a replacement of the "
-            "same structure, or None to keep the cotangent.")
+            "same structure, or None to keep the cotangent."
+        )
     out = []
     for c, n in zip(ct_leaves, new_leaves):
         n = jnp.asarray(n)
@@ -107,6 +111,7 @@ def _check_replacement(fn_name: str, ct: Any, new: Any) -> Any:
             raise HookError(
                 f"tg.hook: hook {fn_name} returned a cotangent of shape {n.shape} for a value "
                 f"of shape {np.shape(c)}. Return an array of the cotangent's shape, or None "
-                "to keep it.")
+                "to keep it."
+            )
         out.append(n.astype(c.dtype) if n.dtype != c.dtype else n)
     return tree_util.tree_unflatten(ct_tree, out)

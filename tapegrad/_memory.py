@@ -10,8 +10,9 @@ device copies that unpacking brings back while a record needs them.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 from jax import tree_util
@@ -104,34 +105,63 @@ class MemoryReport:
             import matplotlib.pyplot as plt
             from matplotlib.ticker import FuncFormatter
         except ImportError as e:
-            raise ImportError("MemoryReport.plot needs matplotlib, an optional dependency: "
-                              "pip install matplotlib") from e
+            raise ImportError(
+                "MemoryReport.plot needs matplotlib, an optional dependency: pip install matplotlib"
+            ) from e
         from tapegrad._display import clip, human_bytes
 
         if ax is None:
             _, ax = plt.subplots(figsize=(8, 3))
         xs = list(range(len(self.timeline)))
         prefix = f"{label}: " if label else ""
-        kinds = [(name, [k[i] for k in self.timeline_kinds])
-                 for i, name in enumerate(("device", "host", "compressed"))] if by_kind else []
+        kinds = (
+            [
+                (name, [k[i] for k in self.timeline_kinds])
+                for i, name in enumerate(("device", "host", "compressed"))
+            ]
+            if by_kind
+            else []
+        )
         kinds = [(n, ys) for n, ys in kinds if any(ys)]
         if len(kinds) != 1:  # one kind is the total; several need the total beside them
-            ax.plot(xs, [b for _, b in self.timeline], drawstyle="steps-post", lw=2,
-                    label=prefix + "total", gid="total")
+            ax.plot(
+                xs,
+                [b for _, b in self.timeline],
+                drawstyle="steps-post",
+                lw=2,
+                label=prefix + "total",
+                gid="total",
+            )
         for name, ys in kinds:
-            ax.plot(xs, ys, drawstyle="steps-post", lw=1.2 if len(kinds) > 1 else 2,
-                    ls="-" if len(kinds) == 1 else "--", label=prefix + name, gid=name)
+            ax.plot(
+                xs,
+                ys,
+                drawstyle="steps-post",
+                lw=1.2 if len(kinds) > 1 else 2,
+                ls="-" if len(kinds) == 1 else "--",
+                label=prefix + name,
+                gid=name,
+            )
         n_fwd = sum(1 for s, _ in self.timeline if s.startswith("fwd"))
         drawn = {(ln.get_gid(), tuple(ln.get_xdata())) for ln in ax.get_lines()}
         if ("backward", (n_fwd - 0.5,) * 2) not in drawn:  # once per Axes when overlaid
-            ax.axvline(n_fwd - 0.5, color="gray", lw=0.8, ls="--", label="backward starts",
-                       gid="backward")
+            ax.axvline(
+                n_fwd - 0.5, color="gray", lw=0.8, ls="--", label="backward starts", gid="backward"
+            )
         if self.budget_bytes is not None:
-            note = (f" + {human_bytes(self.input_residual_bytes)} inputs"
-                    if self.input_residual_bytes else "")
-            ax.axhline(self.budget_bytes + self.input_residual_bytes, color="tab:red", lw=1,
-                       ls=":", label=f"{prefix}budget {human_bytes(self.budget_bytes)}{note}",
-                       gid="budget")
+            note = (
+                f" + {human_bytes(self.input_residual_bytes)} inputs"
+                if self.input_residual_bytes
+                else ""
+            )
+            ax.axhline(
+                self.budget_bytes + self.input_residual_bytes,
+                color="tab:red",
+                lw=1,
+                ls=":",
+                label=f"{prefix}budget {human_bytes(self.budget_bytes)}{note}",
+                gid="budget",
+            )
         ax.yaxis.set_major_locator(_binary_locator())
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: human_bytes(v).replace(".0 ", " ")))
         ax.set_xlabel("tape step (forward records, then backward)")
@@ -153,7 +183,7 @@ def _binary_locator() -> Any:
     class BinaryLocator(MaxNLocator):
         def tick_values(self, vmin, vmax):
             unit = 1.0
-            while max(abs(vmin), abs(vmax)) >= 1024 * unit and unit < 1024 ** 3:
+            while max(abs(vmin), abs(vmax)) >= 1024 * unit and unit < 1024**3:
                 unit *= 1024
             return super().tick_values(vmin / unit, vmax / unit) * unit
 
@@ -186,8 +216,7 @@ def _saves_label(rec, keys, first_user) -> str:
             continue
         i = next((j for j, o in enumerate(rec.outputs) if o.id == key), None)
         user = first_user.get(key)
-        parts.append(f"out{i}→#{user}" if i is not None and user is not None
-                     else "(segment input)")
+        parts.append(f"out{i}→#{user}" if i is not None and user is not None else "(segment input)")
     return ",".join(dict.fromkeys(parts)) or "(segment input)"
 
 
@@ -233,9 +262,20 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
         label = rec.primitive
         if label == "custom_vjp_call":  # show a tg.Function / custom_vjp by its name
             from tapegrad.rules.control import custom_vjp_name
+
             label = custom_vjp_name(rec.params)
-        rows.append(RecordMemory(rec.index, label, rec.source, _saves_label(rec, keys, first_user),
-                                 dev, host, comp, orig))
+        rows.append(
+            RecordMemory(
+                rec.index,
+                label,
+                rec.source,
+                _saves_label(rec, keys, first_user),
+                dev,
+                host,
+                comp,
+                orig,
+            )
+        )
 
     def compressed(key) -> bool:  # the same test as a row's compressed_bytes
         info = res.infos.get(key)
@@ -314,11 +354,25 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
     dev_total = sum(d for d, _ in sizes.values())
     host_total = sum(h for _, h in sizes.values())
     arg_ids = {id(a) for a in args}
-    input_total = sum(sum(sizes[k]) for k in sizes
-                      if any(id(leaf) in arg_ids for leaf in tree_util.tree_leaves(res.store[k])))
-    return MemoryReport(policy, tuple(rows), residual, dev_total, host_total, peak, input_total,
-                        tuple(timeline), tape, tuple(timeline_kinds), input_live,
-                        _budget_of(policy))
+    input_total = sum(
+        sum(sizes[k])
+        for k in sizes
+        if any(id(leaf) in arg_ids for leaf in tree_util.tree_leaves(res.store[k]))
+    )
+    return MemoryReport(
+        policy,
+        tuple(rows),
+        residual,
+        dev_total,
+        host_total,
+        peak,
+        input_total,
+        tuple(timeline),
+        tape,
+        tuple(timeline_kinds),
+        input_live,
+        _budget_of(policy),
+    )
 
 
 def _budget_of(policy: Any) -> int | None:

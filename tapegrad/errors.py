@@ -7,9 +7,20 @@ record and the user's source line, and say what to do.
 
 from __future__ import annotations
 
-__all__ = ["ReverseModeError", "TapegradError", "NonDifferentiableError", "ResidualError", "HookError",
-           "AnomalyError", "MissingRuleError", "EffectError", "TracerLeakError",
-           "GradcheckError", "DtypeError", "InvalidTapeError"]
+__all__ = [
+    "ReverseModeError",
+    "TapegradError",
+    "NonDifferentiableError",
+    "ResidualError",
+    "HookError",
+    "AnomalyError",
+    "MissingRuleError",
+    "EffectError",
+    "TracerLeakError",
+    "GradcheckError",
+    "DtypeError",
+    "InvalidTapeError",
+]
 
 
 class TapegradError(Exception):
@@ -31,7 +42,6 @@ class ResidualError(TapegradError, RuntimeError):
 
 class HookError(TapegradError, RuntimeError):
     """A pack/unpack hook raised or misbehaved."""
-
 
 
 class AnomalyError(TapegradError, FloatingPointError):
@@ -77,6 +87,7 @@ class DtypeError(TapegradError, TypeError):
 class InvalidTapeError(TapegradError, ValueError):
     """A tape pass returned something that is not a well-formed `Tape` (a value used
     before it is defined, records out of order, ...)."""
+
 
 def where(record) -> str:
     """``'tanh' at file.py:12 (f)`` for error messages."""

@@ -23,7 +23,8 @@ texts are printed at the end of the run (also under pytest-xdist).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import chex
 import jax
@@ -34,12 +35,23 @@ from hypothesis import HealthCheck, settings
 
 import tapegrad as tg
 
-__all__ = ["tols", "rand", "enable_x64", "assert_aux_close", "assert_grads_match", "assert_value_and_grad_match",
-           "assert_vjp_match", "assert_trees_close"]
+__all__ = [
+    "tols",
+    "rand",
+    "enable_x64",
+    "assert_aux_close",
+    "assert_grads_match",
+    "assert_value_and_grad_match",
+    "assert_vjp_match",
+    "assert_trees_close",
+]
 
 settings.register_profile(
-    "ci", max_examples=60, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    "ci",
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 settings.load_profile("ci")
 
 
@@ -47,9 +59,13 @@ def pytest_terminal_summary(terminalreporter):
     """Print the ``("summary", text)`` user properties that tests recorded
     (e.g. how many random programs test_hypothesis tried). User properties
     travel back from pytest-xdist workers, unlike a test's own prints."""
-    lines = [value for reports in terminalreporter.stats.values() for rep in reports
-             for key, value in getattr(rep, "user_properties", ())
-             if key == "summary" and getattr(rep, "when", "call") == "call"]
+    lines = [
+        value
+        for reports in terminalreporter.stats.values()
+        for rep in reports
+        for key, value in getattr(rep, "user_properties", ())
+        if key == "summary" and getattr(rep, "when", "call") == "call"
+    ]
     if lines:
         terminalreporter.section("summary")
         for line in lines:
@@ -79,8 +95,13 @@ def _tree_dtype(tree) -> Any:
     return max(dts, key=lambda d: tols(d)[0])  # the least precise one sets the bar
 
 
-def rand(shape: Sequence[int] = (), dtype: Any = jnp.float32, low: float = -1.0,
-         high: float = 1.0, seed: int = 0) -> jax.Array:
+def rand(
+    shape: Sequence[int] = (),
+    dtype: Any = jnp.float32,
+    low: float = -1.0,
+    high: float = 1.0,
+    seed: int = 0,
+) -> jax.Array:
     """Deterministic uniform values in ``[low, high)`` (drawn in float64, then cast)."""
     rng = np.random.RandomState(seed)
     return jnp.asarray(rng.uniform(low, high, size=tuple(shape)), dtype=dtype)
@@ -108,8 +129,9 @@ def x64():
 # Comparisons
 
 
-def assert_trees_close(actual, expected, rtol: float | None = None, atol: float | None = None,
-                       dtype: Any = None) -> None:
+def assert_trees_close(
+    actual, expected, rtol: float | None = None, atol: float | None = None, dtype: Any = None
+) -> None:
     """Same tree structure, shapes and dtypes, and values within tolerance."""
     r, a = tols(dtype if dtype is not None else _tree_dtype(expected))
     rtol = r if rtol is None else rtol
@@ -117,10 +139,10 @@ def assert_trees_close(actual, expected, rtol: float | None = None, atol: float 
     chex.assert_trees_all_equal_structs(actual, expected)
     chex.assert_trees_all_equal_shapes_and_dtypes(actual, expected)
     # float0 cotangents (integer inputs) carry no values to compare.
-    act = [x for x in jax.tree_util.tree_leaves(actual)
-           if np.asarray(x).dtype != jax.dtypes.float0]
-    exp = [x for x in jax.tree_util.tree_leaves(expected)
-           if np.asarray(x).dtype != jax.dtypes.float0]
+    act = [x for x in jax.tree_util.tree_leaves(actual) if np.asarray(x).dtype != jax.dtypes.float0]
+    exp = [
+        x for x in jax.tree_util.tree_leaves(expected) if np.asarray(x).dtype != jax.dtypes.float0
+    ]
     chex.assert_trees_all_close(act, exp, rtol=rtol, atol=atol)
 
 
@@ -129,13 +151,24 @@ def assert_aux_close(actual, expected, rtol=None, atol=None, dtype=None) -> None
     come back from tapegrad as a jax scalar type (it passes through the traced
     program), so leaves are compared as numpy arrays."""
     chex.assert_trees_all_equal_structs(actual, expected)
-    assert_trees_close(jax.tree_util.tree_map(np.asarray, actual),
-                       jax.tree_util.tree_map(np.asarray, expected), rtol, atol, dtype)
+    assert_trees_close(
+        jax.tree_util.tree_map(np.asarray, actual),
+        jax.tree_util.tree_map(np.asarray, expected),
+        rtol,
+        atol,
+        dtype,
+    )
 
 
-def assert_grads_match(f: Callable, *args, argnums: int | Sequence[int] = 0,
-                       has_aux: bool = False, rtol: float | None = None,
-                       atol: float | None = None, **grad_kwargs):
+def assert_grads_match(
+    f: Callable,
+    *args,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    rtol: float | None = None,
+    atol: float | None = None,
+    **grad_kwargs,
+):
     """Assert ``tg.grad(f, argnums)(*args)`` equals ``jax.grad(f, argnums)(*args)``.
 
     Tolerances default to `tols` of the least precise float dtype among ``args``.
@@ -152,9 +185,14 @@ def assert_grads_match(f: Callable, *args, argnums: int | Sequence[int] = 0,
     return got
 
 
-def assert_value_and_grad_match(f: Callable, *args, argnums: int | Sequence[int] = 0,
-                                has_aux: bool = False, rtol: float | None = None,
-                                atol: float | None = None):
+def assert_value_and_grad_match(
+    f: Callable,
+    *args,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    rtol: float | None = None,
+    atol: float | None = None,
+):
     """`assert_grads_match` for ``value_and_grad``; returns tapegrad's result."""
     got = tg.value_and_grad(f, argnums=argnums, has_aux=has_aux)(*args)
     want = jax.value_and_grad(f, argnums=argnums, has_aux=has_aux)(*args)
@@ -173,13 +211,19 @@ def random_like(tree, seed: int = 0):
     """A pytree of standard-normal values with ``tree``'s structure, shapes, dtypes."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     rng = np.random.RandomState(seed)
-    out = [jnp.asarray(rng.standard_normal(np.shape(x)), dtype=jnp.result_type(x))
-           for x in leaves]
+    out = [jnp.asarray(rng.standard_normal(np.shape(x)), dtype=jnp.result_type(x)) for x in leaves]
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def assert_vjp_match(f: Callable, *args, ct: Any = None, seed: int = 0, has_aux: bool = False,
-                     rtol: float | None = None, atol: float | None = None):
+def assert_vjp_match(
+    f: Callable,
+    *args,
+    ct: Any = None,
+    seed: int = 0,
+    has_aux: bool = False,
+    rtol: float | None = None,
+    atol: float | None = None,
+):
     """Assert ``tg.vjp`` equals ``jax.vjp``: primal outputs and input cotangents.
 
     The cotangent defaults to random normal values shaped like the output.

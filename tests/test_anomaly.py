@@ -36,6 +36,7 @@ def line_of(marker: str) -> str:
 
 # The programs. Each marked line is where the anomaly must be reported.
 
+
 def log_of_shifted(x):
     y = x - 1.0  # SHIFT
     z = jnp.log(y)  # FWD-NAN
@@ -43,7 +44,7 @@ def log_of_shifted(x):
 
 
 def log_of_square(x):
-    y = x ** 2  # SQUARE
+    y = x**2  # SQUARE
     return jnp.sum(jnp.log(y))  # LOG-SQUARE
 
 
@@ -54,7 +55,9 @@ def sqrt_sum(x):
 def safe_log(x):
     # NaN in forward that the where discards (and the double-where keeps out of backward).
     ok = x > 0
-    return jnp.sum(jnp.where(ok, jnp.log(jnp.where(ok, x, 1.0)), 0.0) + jnp.log(jnp.abs(x) - 5.0) * 0.0)
+    return jnp.sum(
+        jnp.where(ok, jnp.log(jnp.where(ok, x, 1.0)), 0.0) + jnp.log(jnp.abs(x) - 5.0) * 0.0
+    )
 
 
 X0 = jnp.array([0.0, 1.0, 2.0])
@@ -109,8 +112,10 @@ def test_backward_nan_log_of_square_at_zero():
     with pytest.raises(tg.AnomalyError) as ei:
         tg.grad(log_of_square, anomaly=True)(X0)
     msg = str(ei.value)
-    assert msg.startswith("backward of 'integer_pow' (record #0) returned NaN values in its 0th "
-                          "output: the cotangent of its input 0 (a:f32[3])"), msg
+    assert msg.startswith(
+        "backward of 'integer_pow' (record #0) returned NaN values in its 0th "
+        "output: the cotangent of its input 0 (a:f32[3])"
+    ), msg
     assert f"{line_of('# SQUARE')} (log_of_square)" in msg  # the forward record's line
 
 
@@ -175,7 +180,9 @@ def _runtime_error_text(thunk) -> str:
 
 def test_under_jit_forward_raises_when_the_compiled_call_runs():
     g = jax.jit(tg.grad(log_of_shifted, anomaly=True))
-    np.testing.assert_allclose(g(jnp.array([2.0, 3.0])), jax.grad(log_of_shifted)(jnp.array([2.0, 3.0])))
+    np.testing.assert_allclose(
+        g(jnp.array([2.0, 3.0])), jax.grad(log_of_shifted)(jnp.array([2.0, 3.0]))
+    )
     msg = _runtime_error_text(lambda: g(jnp.array([0.5, 2.0])))  # same compiled program
     assert "AnomalyError: NaN in the output of 'log'" in msg
     assert f"{line_of('# FWD-NAN')} (log_of_shifted)" in msg
@@ -210,12 +217,18 @@ def test_under_vmap_and_outer_grad():
     with pytest.raises(Exception, match="backward of 'integer_pow'"):
         jax.block_until_ready(jax.vmap(tg.grad(log_of_square, anomaly=True))(xs))
     clean = xs[:1] + 1.0
-    np.testing.assert_allclose(jax.vmap(tg.grad(log_of_square, anomaly=True))(clean),
-                               jax.vmap(jax.grad(log_of_square))(clean), rtol=1e-6)
+    np.testing.assert_allclose(
+        jax.vmap(tg.grad(log_of_square, anomaly=True))(clean),
+        jax.vmap(jax.grad(log_of_square))(clean),
+        rtol=1e-6,
+    )
     h = lambda x: jnp.sum(tg.grad(lambda x: jnp.sum(jnp.sin(x) ** 2), anomaly=True)(x))
     x = jnp.array([0.3, 0.7])
-    np.testing.assert_allclose(jax.grad(h)(x), jax.grad(
-        lambda x: jnp.sum(jax.grad(lambda x: jnp.sum(jnp.sin(x) ** 2))(x)))(x), rtol=1e-6)
+    np.testing.assert_allclose(
+        jax.grad(h)(x),
+        jax.grad(lambda x: jnp.sum(jax.grad(lambda x: jnp.sum(jnp.sin(x) ** 2))(x)))(x),
+        rtol=1e-6,
+    )
 
 
 # ---------------------------------------------------------------- zero cost when off
@@ -252,7 +265,9 @@ def test_off_compiles_to_the_same_hlo_as_without_the_feature():
 def test_off_passes_no_observer(monkeypatch):
     seen = []
     real = _anomaly.observer
-    monkeypatch.setattr(_anomaly, "observer", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    monkeypatch.setattr(
+        _anomaly, "observer", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1]
+    )
     tg.grad(_f)(jnp.ones(2))
     tg.vjp(_f, jnp.ones(2))
     assert seen == [None, None]
@@ -275,7 +290,7 @@ def test_context_managers_nest_and_restore():
     assert not tg.is_anomaly_enabled()
     with pytest.raises(ZeroDivisionError):
         with tg.detect_anomaly():
-            1 / 0
+            _ = 1 / 0
     assert not tg.is_anomaly_enabled()  # restored when the body raises
 
 

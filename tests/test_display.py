@@ -31,7 +31,7 @@ LAYERS = 500
 def chain(ws, x):
     for w in ws:
         x = jnp.tanh(x @ w) + 0.5 * x  # L-LAYER
-    return jnp.sum(x ** 2)
+    return jnp.sum(x**2)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def deep_tape(deep):
 def mlp(ws, x):
     for w in ws:
         x = jnp.tanh(x @ w)
-    return jnp.mean(x ** 2)
+    return jnp.mean(x**2)
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +77,13 @@ class Doc(html.parser.HTMLParser):
         self.root = self.stack[0]
 
     def handle_starttag(self, tag, attrs):
-        node = {"tag": tag, "attrs": dict(attrs), "children": [], "text": [],
-                "parent": self.stack[-1]}
+        node = {
+            "tag": tag,
+            "attrs": dict(attrs),
+            "children": [],
+            "text": [],
+            "parent": self.stack[-1],
+        }
         self.stack[-1]["children"].append(node)
         if tag not in VOID:
             self.stack.append(node)
@@ -110,8 +115,13 @@ def text(node) -> str:
 
 def rows_of(table) -> list[dict]:
     """The table's own rows (not those of tables nested in its cells)."""
-    return [tr for sec in table["children"] if sec["tag"] in ("thead", "tbody")
-            for tr in sec["children"] if tr["tag"] == "tr"]
+    return [
+        tr
+        for sec in table["children"]
+        if sec["tag"] in ("thead", "tbody")
+        for tr in sec["children"]
+        if tr["tag"] == "tr"
+    ]
 
 
 def check_structure(doc: Doc, table_cls: str) -> dict:
@@ -139,8 +149,11 @@ def check_structure(doc: Doc, table_cls: str) -> dict:
 
 
 def totals(doc: Doc) -> dict[str, int]:
-    return {d["attrs"]["data-key"]: int(d["attrs"]["data-v"])
-            for d in doc.find("div", "tg-stat") if "data-v" in d["attrs"]}
+    return {
+        d["attrs"]["data-key"]: int(d["attrs"]["data-v"])
+        for d in doc.find("div", "tg-stat")
+        if "data-v" in d["attrs"]
+    }
 
 
 def expand(doc: Doc, table, n_items: int) -> list[tuple[int, dict]]:
@@ -208,8 +221,9 @@ def test_tape_html_folds_a_2000_record_tape(deep_tape):
 
 
 def test_memory_report_html_folds_and_totals(deep):
-    rep = tg.memory_report(chain, policy=P.route(
-        lambda i: P.offload() if i.primitive == "dot_general" else P.save()))(*deep)
+    rep = tg.memory_report(
+        chain, policy=P.route(lambda i: P.offload() if i.primitive == "dot_general" else P.save())
+    )(*deep)
     out = rep._repr_html_()
     assert len(out.encode()) < 200_000, len(out)
     doc = Doc(out)
@@ -232,6 +246,7 @@ def test_memory_report_html_folds_and_totals(deep):
 
 
 # ------------------------------------------------------------------ plain text
+
 
 def a_function_whose_name_is_far_too_long_to_print_whole_in_a_hundred_columns(x, y):
     xs = [x * i for i in range(40)]
@@ -279,14 +294,16 @@ def test_str_folds_a_2000_record_tape(deep, deep_tape):
 
 # ------------------------------------------------------------------ plot
 
+
 def _lines(ax) -> dict[str, object]:
     return {ln.get_gid(): ln for ln in ax.get_lines()}
 
 
 def test_plot_draws_one_line_per_memory_kind(small):
     ws, x = small
-    pol = P.route(lambda i: P.offload() if i.primitive == "dot_general"
-                  else P.compress(jnp.bfloat16))
+    pol = P.route(
+        lambda i: P.offload() if i.primitive == "dot_general" else P.compress(jnp.bfloat16)
+    )
     rep = tg.memory_report(mlp, policy=pol)(ws, x)
     fig, axs = plt.subplots(1, 2)
     try:

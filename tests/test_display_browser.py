@@ -50,15 +50,17 @@ window.addEventListener('load', function () {
 def chromium() -> str:
     exe = shutil.which("chromium") or shutil.which("chromium-browser")
     if exe is None:
-        pytest.fail("headless Chromium is needed to check the HTML tables: "
-                    "apt-get update && apt-get install -y chromium  (Debian's package)")
+        pytest.fail(
+            "headless Chromium is needed to check the HTML tables: "
+            "apt-get update && apt-get install -y chromium  (Debian's package)"
+        )
     return exe
 
 
 def chain(ws, x):
     for w in ws:
         x = jnp.tanh(x @ w) + 0.5 * x
-    return jnp.sum(x ** 2) + jnp.sum(jnp.sin(x))
+    return jnp.sum(x**2) + jnp.sum(jnp.sin(x))
 
 
 class _Body(html.parser.HTMLParser):
@@ -80,25 +82,37 @@ def page(tmp_path_factory):
     ws = [jnp.full((8, 8), 0.01 * (i % 3 + 1)) for i in range(60)]
     x = jnp.ones((4, 8))
     tape = tg.trace(chain)(ws, x)
-    rep = tg.memory_report(chain, policy=P.route(
-        lambda i: P.offload() if i.primitive == "dot_general" else P.save()))(ws, x)
+    rep = tg.memory_report(
+        chain, policy=P.route(lambda i: P.offload() if i.primitive == "dot_general" else P.save())
+    )(ws, x)
     path = tmp_path_factory.mktemp("html") / "page.html"
-    path.write_text('<!doctype html><html><head><meta charset="utf-8"></head><body>'
-                    f"{tape._repr_html_()}<hr>{rep._repr_html_()}{PROBE}</body></html>",
-                    encoding="utf-8")
+    path.write_text(
+        '<!doctype html><html><head><meta charset="utf-8"></head><body>'
+        f"{tape._repr_html_()}<hr>{rep._repr_html_()}{PROBE}</body></html>",
+        encoding="utf-8",
+    )
     return path, tape, rep
 
 
 def test_chromium_renders_the_tables(page, tmp_path):
     path, tape, rep = page
     exe = chromium()
-    dom = subprocess.run([exe, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom",
-                          path.as_uri()], capture_output=True, text=True, timeout=120)
+    dom = subprocess.run(
+        [exe, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", path.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert dom.returncode == 0, dom.stderr[-2000:]
     p = _Body()
     p.feed(dom.stdout)
-    for el in ("table.tapegrad-tape", "table.tapegrad-memory", "tr.tg-fold", "table.tg-inner",
-               "table.tg-by-source"):
+    for el in (
+        "table.tapegrad-tape",
+        "table.tapegrad-memory",
+        "tr.tg-fold",
+        "table.tg-inner",
+        "table.tg-by-source",
+    ):
         assert el in p.classes, el
     # the totals, as the browser parsed them
     assert f'data-key="records" data-v="{len(tape.records)}"' in dom.stdout
@@ -118,9 +132,19 @@ def test_chromium_screenshot_is_not_blank(page, tmp_path):
     path, _, _ = page
     exe = chromium()
     png = tmp_path / "shot.png"
-    run = subprocess.run([exe, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}",
-                          "--window-size=1300,900", f"--screenshot={png}", path.as_uri()],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [
+            exe,
+            *FLAGS,
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--window-size=1300,900",
+            f"--screenshot={png}",
+            path.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert png.exists() and png.stat().st_size > 10_000
     import matplotlib.image

@@ -37,12 +37,21 @@ def line_of(marker: str) -> str:
 # ---------------------------------------------------------------- the error classes
 
 
-@pytest.mark.parametrize("name, builtin", [
-    ("AnomalyError", FloatingPointError), ("MissingRuleError", NotImplementedError),
-    ("EffectError", NotImplementedError), ("TracerLeakError", TypeError),
-    ("GradcheckError", RuntimeError), ("DtypeError", TypeError),
-    ("InvalidTapeError", ValueError), ("ResidualError", RuntimeError),
-    ("NonDifferentiableError", TypeError), ("HookError", RuntimeError)])
+@pytest.mark.parametrize(
+    "name, builtin",
+    [
+        ("AnomalyError", FloatingPointError),
+        ("MissingRuleError", NotImplementedError),
+        ("EffectError", NotImplementedError),
+        ("TracerLeakError", TypeError),
+        ("GradcheckError", RuntimeError),
+        ("DtypeError", TypeError),
+        ("InvalidTapeError", ValueError),
+        ("ResidualError", RuntimeError),
+        ("NonDifferentiableError", TypeError),
+        ("HookError", RuntimeError),
+    ],
+)
 def test_every_error_is_a_tapegrad_error_and_a_builtin(name, builtin):
     cls = getattr(tg, name)
     assert cls is getattr(errors, name) and name in errors.__all__ and name in tg.__all__
@@ -123,9 +132,15 @@ def test_second_backward_after_release():
 # ---------------------------------------------------------------- hooks
 
 
-@pytest.mark.parametrize("bad_unpack, what", [
-    (lambda a: a[:1], "shape"), (lambda a: a.astype(jnp.float16), "dtype"),
-    (lambda a: a.T, "shape")], ids=["shape", "dtype", "transposed"])
+@pytest.mark.parametrize(
+    "bad_unpack, what",
+    [
+        (lambda a: a[:1], "shape"),
+        (lambda a: a.astype(jnp.float16), "dtype"),
+        (lambda a: a.T, "shape"),
+    ],
+    ids=["shape", "dtype", "transposed"],
+)
 def test_hook_returning_wrong_shape_or_dtype(bad_unpack, what):
     x = jnp.ones((2, 3))
     with tg.saved_tensors_hooks(lambda a: a, bad_unpack):
@@ -159,7 +174,7 @@ _leaked = []
 
 def leaks_its_input(x):
     _leaked.append(x)  # LEAK
-    return jnp.sum(x ** 2)
+    return jnp.sum(x**2)
 
 
 def test_tracer_leak_names_the_user_function():
@@ -182,7 +197,7 @@ def test_tracer_leak_caught_at_the_source_with_check_leaks():
     assert "leaks_its_input" in msg and "has_aux=True" in msg and "_leaked" in msg
     _leaked.clear()
     with tg.set_detect_anomaly(True, check_leaks=True):  # a clean function passes
-        np.testing.assert_allclose(tg.grad(lambda x: jnp.sum(x ** 2))(jnp.ones(2)), 2.0)
+        np.testing.assert_allclose(tg.grad(lambda x: jnp.sum(x**2))(jnp.ones(2)), 2.0)
 
 
 # ---------------------------------------------------------------- non-differentiable inputs
@@ -237,8 +252,13 @@ def test_side_effect_recomputed_by_a_selective_policy_is_refused_unless_saved():
     never = tg.selective(lambda r: tg.CheckpointPolicy.NEVER)
     with pytest.raises(tg.EffectError):
         tg.grad(f, policy=never)(jnp.ones(3))
-    save_callbacks = tg.selective(lambda r: tg.CheckpointPolicy.ALWAYS
-                                  if r.primitive == "io_callback" else tg.CheckpointPolicy.NEVER)
+    save_callbacks = tg.selective(
+        lambda r: (
+            tg.CheckpointPolicy.ALWAYS
+            if r.primitive == "io_callback"
+            else tg.CheckpointPolicy.NEVER
+        )
+    )
     x = jnp.array([0.1, 0.2, 0.3])
     got = tg.grad(f, policy=save_callbacks)(x)
     n = state["n"]  # the value forward saw: the callback ran once per forward

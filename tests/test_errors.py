@@ -45,37 +45,45 @@ def raises_like_jax(tg_thunk, jax_thunk, *must_mention: str) -> BaseException:
 
 
 def sq(x):
-    return jnp.sum(x ** 2)
+    return jnp.sum(x**2)
 
 
 # ---------------------------------------------------------------- non-array arguments
 
-@pytest.mark.parametrize("bad, leaf_type", [("a string", "str"), (object(), "object"),
-                                            ({"k": "v"}, "str")],
-                         ids=["str", "object", "dict_of_str"])
+
+@pytest.mark.parametrize(
+    "bad, leaf_type",
+    [("a string", "str"), (object(), "object"), ({"k": "v"}, "str")],
+    ids=["str", "object", "dict_of_str"],
+)
 def test_non_array_argument_to_grad(bad, leaf_type):
-    err = raises_like_jax(lambda: tg.grad(sq)(bad), lambda: jax.grad(sq)(bad),
-                          "not a valid JAX type")
+    err = raises_like_jax(
+        lambda: tg.grad(sq)(bad), lambda: jax.grad(sq)(bad), "not a valid JAX type"
+    )
     assert f"<class '{leaf_type}'>" in str(err)  # names the offending type
     assert "static" in str(err) or "partial" in str(err)  # says what to do
 
 
 @pytest.mark.parametrize("bad", ["a string", object()], ids=["str", "object"])
 def test_non_array_argument_to_vjp(bad):
-    raises_like_jax(lambda: tg.vjp(lambda x: x, bad), lambda: jax.vjp(lambda x: x, bad),
-                    "not a valid JAX type")
+    raises_like_jax(
+        lambda: tg.vjp(lambda x: x, bad), lambda: jax.vjp(lambda x: x, bad), "not a valid JAX type"
+    )
 
 
 def test_non_array_in_non_differentiated_argument_works_like_jax():
-    f = lambda x, s: jnp.sum(x ** 2) * len(s)
+    f = lambda x, s: jnp.sum(x**2) * len(s)
     np.testing.assert_allclose(tg.grad(f)(jnp.ones(2), "abc"), jax.grad(f)(jnp.ones(2), "abc"))
 
 
 # ---------------------------------------------------------------- integer / bool inputs
 
-@pytest.mark.parametrize("x", [3, jnp.arange(3), np.arange(3, dtype=np.int8),
-                               jnp.array([True, False])],
-                         ids=["py_int", "int32_array", "int8_numpy", "bool_array"])
+
+@pytest.mark.parametrize(
+    "x",
+    [3, jnp.arange(3), np.arange(3, dtype=np.int8), jnp.array([True, False])],
+    ids=["py_int", "int32_array", "int8_numpy", "bool_array"],
+)
 def test_integer_or_bool_input_requires_allow_int(x):
     f = lambda x: jnp.sum(x * 1.0)
     raises_like_jax(lambda: tg.grad(f)(x), lambda: jax.grad(f)(x), "allow_int")
@@ -88,13 +96,14 @@ def test_integer_leaf_in_pytree_requires_allow_int():
 
 
 def test_integer_input_not_differentiated_is_fine():
-    f = lambda x, n: jnp.sum(x ** 2) * n
+    f = lambda x, n: jnp.sum(x**2) * n
     got = tg.grad(f)(jnp.arange(3.0), jnp.int32(4))
     np.testing.assert_allclose(got, jax.grad(f)(jnp.arange(3.0), jnp.int32(4)))
 
 
-@pytest.mark.parametrize("x", [jnp.arange(3), jnp.array([True, False]), 5],
-                         ids=["int32_array", "bool_array", "py_int"])
+@pytest.mark.parametrize(
+    "x", [jnp.arange(3), jnp.array([True, False]), 5], ids=["int32_array", "bool_array", "py_int"]
+)
 def test_allow_int_gives_float0_zeros_like_jax(x):
     f = lambda x, y: jnp.sum(x * y)
     y = jnp.float32(1.5)
@@ -119,28 +128,37 @@ def test_allow_int_float0_leaf_in_pytree():
 
 # ---------------------------------------------------------------- argnums
 
+
 def test_argnums_past_the_last_positional_argument():
-    err = raises_like_jax(lambda: tg.grad(sq, argnums=2)(1.0), lambda: jax.grad(sq, argnums=2)(1.0),
-                          "argnums=2")
+    err = raises_like_jax(
+        lambda: tg.grad(sq, argnums=2)(1.0), lambda: jax.grad(sq, argnums=2)(1.0), "argnums=2"
+    )
     assert "positional" in str(err)
 
 
 def test_argnums_tuple_out_of_range():
     f = lambda a, b: a * b
-    raises_like_jax(lambda: tg.grad(f, argnums=(0, 3))(1.0, 2.0),
-                    lambda: jax.grad(f, argnums=(0, 3))(1.0, 2.0), "argnums=(0, 3)")
+    raises_like_jax(
+        lambda: tg.grad(f, argnums=(0, 3))(1.0, 2.0),
+        lambda: jax.grad(f, argnums=(0, 3))(1.0, 2.0),
+        "argnums=(0, 3)",
+    )
 
 
 def test_argnums_negative_out_of_range_is_value_error():
-    err = raises_like_jax(lambda: tg.grad(sq, argnums=-2)(1.0),
-                          lambda: jax.grad(sq, argnums=-2)(1.0), "argnums=-2")
+    err = raises_like_jax(
+        lambda: tg.grad(sq, argnums=-2)(1.0), lambda: jax.grad(sq, argnums=-2)(1.0), "argnums=-2"
+    )
     assert isinstance(err, ValueError)
     assert "range(" in str(err)  # says which argnums are valid
 
 
 def test_argnums_out_of_range_value_and_grad():
-    raises_like_jax(lambda: tg.value_and_grad(sq, argnums=1)(1.0),
-                    lambda: jax.value_and_grad(sq, argnums=1)(1.0), "argnums=1")
+    raises_like_jax(
+        lambda: tg.value_and_grad(sq, argnums=1)(1.0),
+        lambda: jax.value_and_grad(sq, argnums=1)(1.0),
+        "argnums=1",
+    )
 
 
 def test_negative_argnums_in_range_works():
@@ -150,25 +168,36 @@ def test_negative_argnums_in_range_works():
 
 # ---------------------------------------------------------------- output checks
 
-@pytest.mark.parametrize("f", [jnp.sin, lambda x: (jnp.sum(x), jnp.sum(x)), lambda x: {"a": x.sum()}],
-                         ids=["vector", "tuple", "dict"])
+
+@pytest.mark.parametrize(
+    "f",
+    [jnp.sin, lambda x: (jnp.sum(x), jnp.sum(x)), lambda x: {"a": x.sum()}],
+    ids=["vector", "tuple", "dict"],
+)
 def test_grad_of_non_scalar_output(f):
     x = jnp.ones(3)
     err = raises_like_jax(lambda: tg.grad(f)(x), lambda: jax.grad(f)(x), "scalar")
     assert "vjp" in str(err) or "sum" in str(err)  # says what to do
 
 
-@pytest.mark.parametrize("out", [lambda x: x ** 2, lambda x: (x ** 2, 1, 2), lambda x: [x ** 2]],
-                         ids=["bare", "triple", "singleton_list"])
+@pytest.mark.parametrize(
+    "out",
+    [lambda x: x**2, lambda x: (x**2, 1, 2), lambda x: [x**2]],
+    ids=["bare", "triple", "singleton_list"],
+)
 @pytest.mark.parametrize("transform", ["grad", "value_and_grad", "vjp"])
 def test_has_aux_requires_pair(out, transform):
     x = jnp.float32(1.0)
-    tg_f = {"grad": lambda: tg.grad(out, has_aux=True)(x),
-            "value_and_grad": lambda: tg.value_and_grad(out, has_aux=True)(x),
-            "vjp": lambda: tg.vjp(out, x, has_aux=True)}[transform]
-    jax_f = {"grad": lambda: jax.grad(out, has_aux=True)(x),
-             "value_and_grad": lambda: jax.value_and_grad(out, has_aux=True)(x),
-             "vjp": lambda: jax.vjp(out, x, has_aux=True)}[transform]
+    tg_f = {
+        "grad": lambda: tg.grad(out, has_aux=True)(x),
+        "value_and_grad": lambda: tg.value_and_grad(out, has_aux=True)(x),
+        "vjp": lambda: tg.vjp(out, x, has_aux=True),
+    }[transform]
+    jax_f = {
+        "grad": lambda: jax.grad(out, has_aux=True)(x),
+        "value_and_grad": lambda: jax.value_and_grad(out, has_aux=True)(x),
+        "vjp": lambda: jax.vjp(out, x, has_aux=True),
+    }[transform]
     err = raises_like_jax(tg_f, jax_f, "has_aux=True")
     assert "pair" in str(err) or "two-element" in str(err)
 
@@ -180,29 +209,41 @@ def test_complex_output_without_holomorphic():
 
 
 def test_complex_input_and_output_without_holomorphic():
-    f = lambda z: z ** 2
-    raises_like_jax(lambda: tg.grad(f)(1.0 + 1.0j), lambda: jax.grad(f)(1.0 + 1.0j),
-                    "holomorphic=True", "complex64")
+    f = lambda z: z**2
+    raises_like_jax(
+        lambda: tg.grad(f)(1.0 + 1.0j),
+        lambda: jax.grad(f)(1.0 + 1.0j),
+        "holomorphic=True",
+        "complex64",
+    )
 
 
 def test_holomorphic_with_real_input():
-    f = lambda z: z ** 2
-    err = raises_like_jax(lambda: tg.grad(f, holomorphic=True)(1.0),
-                          lambda: jax.grad(f, holomorphic=True)(1.0), "holomorphic=True")
+    f = lambda z: z**2
+    err = raises_like_jax(
+        lambda: tg.grad(f, holomorphic=True)(1.0),
+        lambda: jax.grad(f, holomorphic=True)(1.0),
+        "holomorphic=True",
+    )
     assert "complex" in str(err) and "float32" in str(err)
 
 
 def test_holomorphic_with_real_output():
     f = lambda z: jnp.real(z) ** 2
-    raises_like_jax(lambda: tg.grad(f, holomorphic=True)(1.0 + 2.0j),
-                    lambda: jax.grad(f, holomorphic=True)(1.0 + 2.0j), "holomorphic=True", "complex")
+    raises_like_jax(
+        lambda: tg.grad(f, holomorphic=True)(1.0 + 2.0j),
+        lambda: jax.grad(f, holomorphic=True)(1.0 + 2.0j),
+        "holomorphic=True",
+        "complex",
+    )
 
 
 def test_holomorphic_ok_matches_jax():
     f = lambda z: jnp.sin(z) * z
     z = jnp.complex64(0.3 + 0.7j)
-    np.testing.assert_allclose(tg.grad(f, holomorphic=True)(z), jax.grad(f, holomorphic=True)(z),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        tg.grad(f, holomorphic=True)(z), jax.grad(f, holomorphic=True)(z), rtol=1e-5
+    )
 
 
 def test_integer_output():
@@ -214,6 +255,7 @@ def test_integer_output():
 
 # ---------------------------------------------------------------- vjp_fn cotangents
 
+
 def _pytree_fun(x):
     return {"a": jnp.sin(x), "b": (x.sum(), jnp.cos(x))}
 
@@ -221,12 +263,16 @@ def _pytree_fun(x):
 X3 = jnp.linspace(-1.0, 1.0, 3)
 
 
-@pytest.mark.parametrize("ct", [
-    {"a": jnp.ones(3)},
-    {"a": jnp.ones(3), "b": [jnp.float32(1.0), jnp.ones(3)]},
-    (jnp.ones(3), jnp.float32(1.0), jnp.ones(3)),
-    jnp.ones(3),
-], ids=["missing_key", "list_for_tuple", "flat_tuple", "bare_array"])
+@pytest.mark.parametrize(
+    "ct",
+    [
+        {"a": jnp.ones(3)},
+        {"a": jnp.ones(3), "b": [jnp.float32(1.0), jnp.ones(3)]},
+        (jnp.ones(3), jnp.float32(1.0), jnp.ones(3)),
+        jnp.ones(3),
+    ],
+    ids=["missing_key", "list_for_tuple", "flat_tuple", "bare_array"],
+)
 def test_vjp_fn_cotangent_wrong_structure(ct):
     _, vjp_fn = tg.vjp(_pytree_fun, X3)
     _, jvjp_fn = jax.vjp(_pytree_fun, X3)
@@ -234,8 +280,9 @@ def test_vjp_fn_cotangent_wrong_structure(ct):
     assert "Pass a cotangent" in str(err)
 
 
-@pytest.mark.parametrize("ct_a", [jnp.ones(4), jnp.ones((3, 1)), jnp.float32(1.0)],
-                         ids=["longer", "extra_dim", "scalar"])
+@pytest.mark.parametrize(
+    "ct_a", [jnp.ones(4), jnp.ones((3, 1)), jnp.float32(1.0)], ids=["longer", "extra_dim", "scalar"]
+)
 def test_vjp_fn_cotangent_wrong_shape(ct_a):
     ct = {"a": ct_a, "b": (jnp.float32(1.0), jnp.ones(3))}
     _, vjp_fn = tg.vjp(_pytree_fun, X3)
@@ -254,13 +301,14 @@ def test_vjp_fn_cotangent_wrong_dtype(dtype):
 
 def test_vjp_fn_accepts_what_jax_accepts():
     # Python floats and float64 numpy arrays canonicalise to float32, as in jax.
-    out, vjp_fn = tg.vjp(lambda x: (jnp.sum(x ** 2), jnp.sin(x)), X3)
-    _, jvjp_fn = jax.vjp(lambda x: (jnp.sum(x ** 2), jnp.sin(x)), X3)
+    out, vjp_fn = tg.vjp(lambda x: (jnp.sum(x**2), jnp.sin(x)), X3)
+    _, jvjp_fn = jax.vjp(lambda x: (jnp.sum(x**2), jnp.sin(x)), X3)
     ct = (1.0, np.linspace(0.0, 1.0, 3))
     np.testing.assert_allclose(vjp_fn(ct)[0], jvjp_fn(ct)[0], rtol=1e-6)
 
 
 # ---------------------------------------------------------------- while_loop
+
 
 def _uses_while(x):
     return lax.while_loop(lambda c: c < 10.0, lambda c: c * 2.0, x)  # WHILE-MARKER
@@ -320,6 +368,7 @@ def test_while_loop_in_vjp():
 
 # ---------------------------------------------------------------- same failure as jax
 
+
 def test_custom_vjp_closing_over_differentiated_value():
     def outer(x):
         @jax.custom_vjp
@@ -339,6 +388,7 @@ def test_non_differentiated_arguments_stay_concrete_like_jax():
 
 
 # ---------------------------------------------------------------- error classes
+
 
 def test_tapegrad_error_hierarchy():
     assert tg.TapegradError is tg_errors.TapegradError

@@ -11,13 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import assert_trees_close, rand
 
 import tapegrad as tg
 from tapegrad import policies as P
 from tapegrad.rules.control import custom_vjp_name
-
-from conftest import assert_trees_close, rand
-
 
 # ---------------------------------------------------------------------------
 # Functions under test
@@ -80,12 +78,12 @@ class CustomReLU(tg.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, = inputs
+        (x,) = inputs
         ctx.save_for_backward(x)
 
     @staticmethod
     def backward(ctx, grad_output):
-        x, = ctx.saved_tensors
+        (x,) = ctx.saved_tensors
         grad_input = jnp.where(x < 0, 0.0, grad_output)
         return grad_input
 
@@ -123,12 +121,12 @@ class CustomSquare(tg.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, = inputs
+        (x,) = inputs
         ctx.save_for_backward(x)
 
     @staticmethod
     def backward(ctx, grad_output):
-        x, = ctx.saved_tensors
+        (x,) = ctx.saved_tensors
         return 2 * x * grad_output
 
 
@@ -159,7 +157,7 @@ class OnceReLU(tg.Function):
     @staticmethod
     @tg.once_differentiable
     def backward(ctx, grad_output):
-        x, = ctx.saved_tensors
+        (x,) = ctx.saved_tensors
         return grad_output * (x > 0).astype(grad_output.dtype)
 
 
@@ -170,13 +168,13 @@ class OnceCube(tg.Function):
     @staticmethod
     def forward(ctx, x):
         ctx.save_for_backward(x)
-        return x ** 3
+        return x**3
 
     @tg.once_differentiable
     @staticmethod
     def backward(ctx, g):
-        x, = ctx.saved_tensors
-        return 3 * x ** 2 * g
+        (x,) = ctx.saved_tensors
+        return 3 * x**2 * g
 
 
 def _x_w_b(dtype=jnp.float32):
@@ -195,7 +193,9 @@ def _loss_of(fn):
 # Gradients against jax.grad of the same math
 
 
-@pytest.mark.parametrize("fn", [LinearFn, LinearFunctionOld, CustomLinear], ids=lambda c: c.__name__)
+@pytest.mark.parametrize(
+    "fn", [LinearFn, LinearFunctionOld, CustomLinear], ids=lambda c: c.__name__
+)
 @pytest.mark.parametrize("argnums", [(0, 1, 2), 0, 1, (1, 2)], ids=str)
 def test_linear_functions_match_jax_grad(fn, argnums):
     x, w, b = _x_w_b()
@@ -205,8 +205,11 @@ def test_linear_functions_match_jax_grad(fn, argnums):
 
 
 @pytest.mark.parametrize("grad", [tg.grad, jax.grad], ids=["tg.grad", "jax.grad"])
-@pytest.mark.parametrize("argnums,needs", [((0, 1, 2), (True, True, True)), (1, (False, True, False)),
-                                           ((0, 2), (True, False, True))], ids=str)
+@pytest.mark.parametrize(
+    "argnums,needs",
+    [((0, 1, 2), (True, True, True)), (1, (False, True, False)), ((0, 2), (True, False, True))],
+    ids=str,
+)
 def test_needs_input_grad_follows_the_differentiated_inputs(grad, argnums, needs):
     x, w, b = _x_w_b()
     CALLS.clear()
@@ -252,8 +255,9 @@ def test_jitted_function_differentiated_wrt_different_inputs_in_turn(grad):
     jf = jax.jit(_loss_of(LinearFn.apply))
     CALLS.clear()
     for argnums in (0, 1, 0, 2):
-        assert_trees_close(grad(jf, argnums)(x, w, b),
-                           jax.grad(_loss_of(_linear), argnums)(x, w, b))
+        assert_trees_close(
+            grad(jf, argnums)(x, w, b), jax.grad(_loss_of(_linear), argnums)(x, w, b)
+        )
     assert CALLS[0] == ("LinearFn", (True, False, False))
     assert all(needs[argnums] for (_, needs), argnums in zip(CALLS, (0, 1, 0, 2)))
 
@@ -291,9 +295,11 @@ def test_seed_custom_linear_y_sum_backward(grad):
     assert_trees_close(got, jax.grad(lambda x, w, b: _linear(x, w, b).sum(), (0, 1, 2))(x, w, b))
 
 
-@pytest.mark.parametrize("outer,inner", [(tg.grad, tg.grad), (jax.grad, jax.grad),
-                                         (jax.grad, tg.grad), (tg.grad, jax.grad)],
-                         ids=["tg-tg", "jax-jax", "jax-tg", "tg-jax"])
+@pytest.mark.parametrize(
+    "outer,inner",
+    [(tg.grad, tg.grad), (jax.grad, jax.grad), (jax.grad, tg.grad), (tg.grad, jax.grad)],
+    ids=["tg-tg", "jax-jax", "jax-tg", "tg-jax"],
+)
 def test_seed_custom_square_double_backward(outer, inner):
     x = jnp.float32(3.0)
     assert float(inner(CustomSquare.apply)(x)) == 6.0  # dy/dx = 2x
@@ -333,8 +339,12 @@ def test_double_backward_matches_float64_finite_differences(x64):
     np.testing.assert_allclose(np.asarray(got), fd, rtol=1e-7, atol=1e-8)
     ref = jax.jacrev(jax.grad(lambda x: jnp.sum(jnp.sin(x * x) * jnp.exp(x / 3))))(x) @ v
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-10, atol=1e-12)
-    np.testing.assert_allclose(np.asarray(jax.grad(lambda x: jnp.vdot(jax.grad(f)(x), v))(x)),
-                               np.asarray(ref), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(
+        np.asarray(jax.grad(lambda x: jnp.vdot(jax.grad(f)(x), v))(x)),
+        np.asarray(ref),
+        rtol=1e-10,
+        atol=1e-12,
+    )
 
 
 def test_first_order_gradient_matches_float64_finite_differences(x64):
@@ -359,16 +369,19 @@ def test_works_under_jit_forward_and_gradients():
     assert_trees_close(jax.jit(LinearFn.apply)(x, w, b), _linear(x, w, b))
     assert_trees_close(jax.jit(jax.grad(f, (0, 1, 2)))(x, w, b), want)
     assert_trees_close(jax.jit(tg.grad(f, (0, 1, 2)))(x, w, b), want)
-    assert_trees_close(jax.jit(tg.grad(tg.grad(CustomSquare.apply)))(jnp.float32(3.0)),
-                       jnp.float32(2.0))
+    assert_trees_close(
+        jax.jit(tg.grad(tg.grad(CustomSquare.apply)))(jnp.float32(3.0)), jnp.float32(2.0)
+    )
 
 
 def test_works_under_vmap_forward_and_gradients():
     x, w, b = _x_w_b()
     xs = jnp.stack([x, 2 * x, -x])
     f = _loss_of(LinearFn.apply)
-    assert_trees_close(jax.vmap(LinearFn.apply, (0, None, None))(xs, w, b),
-                       jax.vmap(_linear, (0, None, None))(xs, w, b))
+    assert_trees_close(
+        jax.vmap(LinearFn.apply, (0, None, None))(xs, w, b),
+        jax.vmap(_linear, (0, None, None))(xs, w, b),
+    )
     want = jax.vmap(jax.grad(_loss_of(_linear), 1), (0, None, None))(xs, w, b)
     assert_trees_close(jax.vmap(jax.grad(f, 1), (0, None, None))(xs, w, b), want)
     assert_trees_close(jax.vmap(tg.grad(f, 1), (0, None, None))(xs, w, b), want)
@@ -400,7 +413,7 @@ class Affine(tg.Function):
     @staticmethod
     def backward(ctx, gt, gy):
         w, x, t = ctx.saved_tensors
-        gpre = gt * (1 - t ** 2) + gy
+        gpre = gt * (1 - t**2) + gy
         return {"w": x.T @ gpre, "b": gpre.sum(0)}, gpre @ w.T
 
 
@@ -433,7 +446,7 @@ class ScaleAct(tg.Function):
     @staticmethod
     def backward(ctx, g):
         CALLS.append(("ScaleAct", ctx.needs_input_grad))
-        x, = ctx.saved_tensors
+        (x,) = ctx.saved_tensors
         k = ctx.scale * (1 if ctx.mode == "plain" else 2)
         return g * k * (1 - jnp.tanh(x) ** 2), None, None, None
 
@@ -474,9 +487,11 @@ class MaxWithIndex(tg.Function):
 @pytest.mark.parametrize("mode", ["tg.grad", "jax.grad", "jit", "vmap"])
 def test_mark_non_differentiable_integer_output(mode):
     x = jnp.array([1.0, 5.0, 2.0, -3.0])
+
     def f(x):
         m, i = MaxWithIndex.apply(x)
         return m * 3.0 + i
+
     ref = lambda x: jnp.max(x) * 3.0
     CALLS.clear()
     if mode == "vmap":
@@ -499,7 +514,7 @@ class MinMax(tg.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, = inputs
+        (x,) = inputs
         ctx.mark_non_differentiable(output[1])
         ctx.save_for_backward(x, output[0])
 
@@ -514,6 +529,7 @@ class MinMax(tg.Function):
 def test_mark_non_differentiable_float_output_gets_no_cotangent(grad):
     x = jnp.array([1.0, -5.0, 2.0])
     CALLS.clear()
+
     def f(x):
         lo, hi = MinMax.apply(x)
         return lo + 10 * hi
@@ -534,7 +550,7 @@ def _sin_cos(materialize):
         @staticmethod
         def backward(ctx, g_sin, g_cos):
             CALLS.append(("SinCos", g_sin is None, g_cos is None))
-            x, = ctx.saved_tensors
+            (x,) = ctx.saved_tensors
             out = jnp.zeros_like(x)
             if g_sin is not None:
                 out = out + g_sin * jnp.cos(x)
@@ -553,6 +569,7 @@ def test_set_materialize_grads(grad, materialize):
     CALLS.clear()
     assert_trees_close(grad(lambda x: jnp.sum(fn.apply(x)[0]))(x), jnp.cos(x))
     assert_trees_close(grad(lambda x: jnp.sum(fn.apply(x)[1]))(x), -jnp.sin(x))
+
     def both_outputs(x):
         s, c = fn.apply(x)
         return jnp.sum(s * c)
@@ -570,23 +587,29 @@ def test_set_materialize_grads(grad, materialize):
 @pytest.mark.parametrize("grad", [tg.grad, jax.grad], ids=["tg.grad", "jax.grad"])
 def test_once_differentiable_first_order_is_fine(grad):
     x = rand((5,), seed=13)
-    assert_trees_close(grad(lambda x: jnp.sum(OnceReLU.apply(x) * x))(x),
-                       jax.grad(lambda x: jnp.sum(jax.nn.relu(x) * x))(x))
-    assert_trees_close(grad(lambda x: jnp.sum(OnceCube.apply(x)))(x), 3 * x ** 2)
-    assert_trees_close(jax.jit(grad(lambda x: jnp.sum(OnceCube.apply(x))))(x), 3 * x ** 2)
+    assert_trees_close(
+        grad(lambda x: jnp.sum(OnceReLU.apply(x) * x))(x),
+        jax.grad(lambda x: jnp.sum(jax.nn.relu(x) * x))(x),
+    )
+    assert_trees_close(grad(lambda x: jnp.sum(OnceCube.apply(x)))(x), 3 * x**2)
+    assert_trees_close(jax.jit(grad(lambda x: jnp.sum(OnceCube.apply(x))))(x), 3 * x**2)
 
 
-@pytest.mark.parametrize("outer,inner", [(tg.grad, tg.grad), (jax.grad, jax.grad),
-                                         (jax.grad, tg.grad), (tg.grad, jax.grad)],
-                         ids=["tg-tg", "jax-jax", "jax-tg", "tg-jax"])
+@pytest.mark.parametrize(
+    "outer,inner",
+    [(tg.grad, tg.grad), (jax.grad, jax.grad), (jax.grad, tg.grad), (tg.grad, jax.grad)],
+    ids=["tg-tg", "jax-jax", "jax-tg", "tg-jax"],
+)
 def test_once_differentiable_raises_on_double_backward(outer, inner):
-    with pytest.raises(tg.NonDifferentiableError, match=r"OnceCube\.backward .*once_differentiable"):
+    with pytest.raises(
+        tg.NonDifferentiableError, match=r"OnceCube\.backward .*once_differentiable"
+    ):
         outer(inner(OnceCube.apply))(jnp.float32(2.0))
 
 
 def test_once_differentiable_does_not_raise_when_backward_is_not_differentiated():
     # the outer grad differentiates w.r.t. y only, which does not reach OnceCube's backward
-    f = lambda x, y: jnp.sum(OnceCube.apply(x)) * 1.0 + jnp.sum(y ** 2)
+    f = lambda x, y: jnp.sum(OnceCube.apply(x)) * 1.0 + jnp.sum(y**2)
     got = tg.grad(lambda y, x: jnp.sum(tg.grad(f, 1)(x, y)))(jnp.ones(2), jnp.ones(2))
     assert_trees_close(got, jnp.full(2, 2.0))
 
@@ -616,8 +639,9 @@ def test_saved_tensors_go_through_saved_tensors_hooks():
     f = lambda x, w, b: jnp.sum(LinearFn.apply(x, w, b))  # reduce_sum saves nothing
     g, log = _packs_and_unpacks(f, x, w, b, argnums=(0, 1, 2))
     assert_trees_close(g, jax.grad(lambda x, w, b: jnp.sum(_linear(x, w, b)), (0, 1, 2))(x, w, b))
-    assert sorted(log) == sorted([("pack", x.shape), ("pack", w.shape),
-                                  ("unpack", x.shape), ("unpack", w.shape)])
+    assert sorted(log) == sorted(
+        [("pack", x.shape), ("pack", w.shape), ("unpack", x.shape), ("unpack", w.shape)]
+    )
 
 
 def test_saved_none_is_not_a_residual():
@@ -646,8 +670,10 @@ def test_route_policy_can_pick_residuals_by_function_name():
         return P.save()
 
     f = lambda w: jnp.sum(jnp.sin(LinearFn.apply(x, w, b)))
-    assert_trees_close(tg.grad(f, policy=P.route(by_name))(w),
-                       jax.grad(lambda w: jnp.sum(jnp.sin(_linear(x, w, b))))(w))
+    assert_trees_close(
+        tg.grad(f, policy=P.route(by_name))(w),
+        jax.grad(lambda w: jnp.sum(jnp.sin(_linear(x, w, b))))(w),
+    )
     assert sorted(seen) == sorted([("LinearFn", x.shape), ("LinearFn", w.shape)])
 
 
@@ -666,7 +692,8 @@ def test_tape_shows_one_named_record_with_the_saved_tensors():
 def test_memory_report_lists_the_function_residuals():
     x, w, b = _x_w_b()
     rep = tg.memory_report(lambda x, w, b: jnp.sum(LinearFn.apply(x, w, b)), argnums=(0, 1, 2))(
-        x, w, b)
+        x, w, b
+    )
     rows = [r for r in rep.records if r.primitive == "LinearFn"]  # shown by the Function's name
     assert len(rows) == 1
     assert rows[0].bytes == x.nbytes + w.nbytes
@@ -727,14 +754,24 @@ def _bad(backward, forward=None):
 def test_wrong_number_of_gradients_raises_naming_the_function(grad):
     Bad = _bad(lambda ctx, g: (g, g))  # 2 gradients for 3 inputs
     x = rand((3,))
-    with pytest.raises(TypeError, match=r"Bad\.backward returned 2 gradient\(s\), but Bad\.forward "
-                                        r"takes 3 input\(s\) \(x, w, scale\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"Bad\.backward returned 2 gradient\(s\), but Bad\.forward "
+        r"takes 3 input\(s\) \(x, w, scale\)",
+    ):
         grad(lambda x: jnp.sum(Bad.apply(x, x)))(x)
 
 
 def test_trailing_none_gradients_are_allowed():
-    Bad = _bad(lambda ctx, g: (g * ctx.saved_tensors[1] * 2.0, g * ctx.saved_tensors[0] * 2.0,
-                               None, None, None))
+    Bad = _bad(
+        lambda ctx, g: (
+            g * ctx.saved_tensors[1] * 2.0,
+            g * ctx.saved_tensors[0] * 2.0,
+            None,
+            None,
+            None,
+        )
+    )
     x, w = rand((3,), seed=1), rand((3,), seed=2)
     assert_trees_close(tg.grad(lambda x: jnp.sum(Bad.apply(x, w)))(x), w * 2.0)
 
@@ -743,15 +780,21 @@ def test_trailing_none_gradients_are_allowed():
 def test_wrong_gradient_shape_raises_with_both_shapes(grad):
     Bad = _bad(lambda ctx, g: (g[:2], g, None))
     x = rand((3,))
-    with pytest.raises(ValueError, match=r"Bad\.backward returned a gradient of shape \(2,\) for "
-                                         r"input 0 \('x'\) of shape \(3,\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"Bad\.backward returned a gradient of shape \(2,\) for "
+        r"input 0 \('x'\) of shape \(3,\)",
+    ):
         grad(lambda x: jnp.sum(Bad.apply(x, x)))(x)
 
 
 def test_gradient_for_a_static_input_raises():
     Bad = _bad(lambda ctx, g: (g, g, 1.0))
-    with pytest.raises(TypeError, match=r"gradient for input 2 \('scale'\), which is not an array "
-                                        r"\(a float\); return None"):
+    with pytest.raises(
+        TypeError,
+        match=r"gradient for input 2 \('scale'\), which is not an array "
+        r"\(a float\); return None",
+    ):
         tg.grad(lambda x: jnp.sum(Bad.apply(x, x)))(rand((3,)))
 
 
@@ -766,8 +809,11 @@ def test_wrong_gradient_structure_for_a_pytree_input_raises():
             return ({"a": g},)  # missing "b"
 
     p = {"a": rand((2,)), "b": rand((2,))}
-    with pytest.raises(TypeError, match=r"BadTree\.backward returned a gradient for input 0 \('p'\) "
-                                        "with structure"):
+    with pytest.raises(
+        TypeError,
+        match=r"BadTree\.backward returned a gradient for input 0 \('p'\) "
+        "with structure",
+    ):
         tg.grad(lambda p: jnp.sum(BadTree.apply(p)))(p)
 
 
@@ -796,7 +842,9 @@ def test_missing_backward_or_forward_raises():
         def backward(ctx, g):
             return g
 
-    with pytest.raises(NotImplementedError, match="NoBackward must define a static method backward"):
+    with pytest.raises(
+        NotImplementedError, match="NoBackward must define a static method backward"
+    ):
         NoBackward.apply(jnp.ones(2))
     with pytest.raises(NotImplementedError, match="NoForward must define a static method forward"):
         NoForward.apply(jnp.ones(2))
@@ -812,7 +860,9 @@ def test_new_style_forward_without_setup_context_gets_a_hint():
         def backward(ctx, g):
             return 2 * g
 
-    with pytest.raises(TypeError, match=r"Forgot has no setup_context, so its forward is old-style"):
+    with pytest.raises(
+        TypeError, match=r"Forgot has no setup_context, so its forward is old-style"
+    ):
         Forgot.apply(jnp.ones(2))
 
 
@@ -843,8 +893,11 @@ def test_save_for_backward_rejects_non_arrays():
         def backward(ctx, g):
             return g
 
-    with pytest.raises(TypeError, match=r"SaveFloat: ctx\.save_for_backward accepts arrays or None, "
-                                        r"but argument 1 is a float"):
+    with pytest.raises(
+        TypeError,
+        match=r"SaveFloat: ctx\.save_for_backward accepts arrays or None, "
+        r"but argument 1 is a float",
+    ):
         tg.grad(lambda x: jnp.sum(SaveFloat.apply(x)))(rand((2,)))
 
 
@@ -859,8 +912,11 @@ def test_mark_non_differentiable_of_a_non_output_raises():
         def backward(ctx, g):
             return 2 * g
 
-    with pytest.raises(ValueError, match=r"MarkInput: ctx\.mark_non_differentiable got a value that "
-                                         "is not an output"):
+    with pytest.raises(
+        ValueError,
+        match=r"MarkInput: ctx\.mark_non_differentiable got a value that "
+        "is not an output",
+    ):
         tg.grad(lambda x: jnp.sum(MarkInput.apply(x)))(rand((2,)))
 
 
@@ -885,15 +941,20 @@ def test_saved_tensors_in_forward_and_mark_dirty_raise():
         def backward(ctx, g):
             return g
 
-    with pytest.raises(RuntimeError, match=r"Early: ctx\.saved_tensors is available in backward only"):
+    with pytest.raises(
+        RuntimeError, match=r"Early: ctx\.saved_tensors is available in backward only"
+    ):
         Early.apply(jnp.ones(2))
     with pytest.raises(TypeError, match=r"Dirty: ctx\.mark_dirty has no meaning in jax"):
         Dirty.apply(jnp.ones(2))
 
 
 def test_argument_mixing_arrays_and_python_values_raises():
-    with pytest.raises(TypeError, match=r"LinearFn\.apply: argument 0 \('x'\) mixes arrays and "
-                                        "non-array values"):
+    with pytest.raises(
+        TypeError,
+        match=r"LinearFn\.apply: argument 0 \('x'\) mixes arrays and "
+        "non-array values",
+    ):
         LinearFn.apply((jnp.ones((2, 3)), 1.0), jnp.ones((5, 3)))
 
 

@@ -37,19 +37,33 @@ import tapegrad as tg
 pytestmark = pytest.mark.filterwarnings("ignore:tapegrad anomaly detection is enabled")
 
 SMOOTH_UNARY = {
-    "sin": jnp.sin, "cos": jnp.cos, "tanh": jnp.tanh, "sigmoid": jax.nn.sigmoid,
-    "softplus": jax.nn.softplus, "atan": jnp.arctan, "half": lambda x: x * 0.5,
-    "shift": lambda x: x + 1.0, "log1p_sq": lambda x: jnp.log1p(x * x),
-    "sqrt1p_sq": lambda x: jnp.sqrt(1.0 + x * x), "gauss": lambda x: jnp.exp(-x * x),
-    "square": jnp.square, "neg": jnp.negative,
+    "sin": jnp.sin,
+    "cos": jnp.cos,
+    "tanh": jnp.tanh,
+    "sigmoid": jax.nn.sigmoid,
+    "softplus": jax.nn.softplus,
+    "atan": jnp.arctan,
+    "half": lambda x: x * 0.5,
+    "shift": lambda x: x + 1.0,
+    "log1p_sq": lambda x: jnp.log1p(x * x),
+    "sqrt1p_sq": lambda x: jnp.sqrt(1.0 + x * x),
+    "gauss": lambda x: jnp.exp(-x * x),
+    "square": jnp.square,
+    "neg": jnp.negative,
 }
 ROUGH_UNARY = {"abs": jnp.abs, "relu": jax.nn.relu, "round_mix": lambda x: x * jnp.round(x)}
 SMOOTH_BINARY = {
-    "add": jnp.add, "sub": jnp.subtract, "mul": jnp.multiply,
-    "div": lambda x, y: x / (1.0 + y * y), "hypot1": lambda x, y: jnp.sqrt(1.0 + x * x + y * y),
+    "add": jnp.add,
+    "sub": jnp.subtract,
+    "mul": jnp.multiply,
+    "div": lambda x, y: x / (1.0 + y * y),
+    "hypot1": lambda x, y: jnp.sqrt(1.0 + x * x + y * y),
 }
-ROUGH_BINARY = {"max": jnp.maximum, "min": jnp.minimum,
-                "where": lambda x, y: jnp.where(x > y, jnp.sin(x), y * 0.5)}
+ROUGH_BINARY = {
+    "max": jnp.maximum,
+    "min": jnp.minimum,
+    "where": lambda x, y: jnp.where(x > y, jnp.sin(x), y * 0.5),
+}
 REDUCE = {"sum": jnp.sum, "mean": jnp.mean, "max": jnp.max}
 
 POLICIES = {
@@ -61,15 +75,22 @@ POLICIES = {
     "selective_never": tg.selective(lambda r: tg.CheckpointPolicy.NEVER),
 }
 # max |g_policy - g_save| / max(1, max |g_save|): float32 rounding, or quantisation.
-POLICY_TOL = {"save": 1e-5, "offload": 1e-5, "hooks_identity": 1e-5, "selective_never": 1e-5,
-              "compress_bf16": 0.03, "compress_int8": 0.06}
+POLICY_TOL = {
+    "save": 1e-5,
+    "offload": 1e-5,
+    "hooks_identity": 1e-5,
+    "selective_never": 1e-5,
+    "compress_bf16": 0.03,
+    "compress_int8": 0.06,
+}
 COMPRESSING = {"compress_bf16", "compress_int8"}
 
 COUNT = {"programs": 0, "policy_runs": 0, "inputs": 0, "input_errors": 0}
-# More examples for a long fuzzing run: TAPEGRAD_FUZZ_EXAMPLES=2000 pytest tests/test_fuzz_policies.py
+# A long fuzzing run: TAPEGRAD_FUZZ_EXAMPLES=2000 pytest tests/test_fuzz_policies.py
 N_EXAMPLES = int(os.environ.get("TAPEGRAD_FUZZ_EXAMPLES", "50"))
-SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                      HealthCheck.filter_too_much])
+SETTINGS = dict(
+    deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]
+)
 
 
 # ---------------------------------------------------------------- programs
@@ -92,8 +113,12 @@ def programs(draw, smooth: bool = False):
     for _ in range(draw(st.integers(2, 8))):
         i = draw(st.integers(0, len(vals) - 1))
         s = vals[i]
-        kinds = ["u", "u", "b", "b"] + (["mm", "r", "cat", "slice"] if s else []) + (
-            ["t"] if len(s) >= 2 else []) + (["flat"] if len(s) >= 2 else [])
+        kinds = (
+            ["u", "u", "b", "b"]
+            + (["mm", "r", "cat", "slice"] if s else [])
+            + (["t"] if len(s) >= 2 else [])
+            + (["flat"] if len(s) >= 2 else [])
+        )
         kind = draw(st.sampled_from(kinds))
         if kind == "u":
             steps.append(("u", draw(st.sampled_from(sorted(unary))), i))
@@ -112,7 +137,7 @@ def programs(draw, smooth: bool = False):
             axis = draw(st.integers(0, len(s) - 1))
             keep = draw(st.booleans())
             steps.append(("r", draw(st.sampled_from(sorted(reduce))), i, axis, keep))
-            s = s[:axis] + ((1,) if keep else ()) + s[axis + 1:]
+            s = s[:axis] + ((1,) if keep else ()) + s[axis + 1 :]
         elif kind == "cat":
             steps.append(("cat", i))
             s = s[:-1] + (2 * s[-1],)
@@ -127,8 +152,13 @@ def programs(draw, smooth: bool = False):
             s = (int(np.prod(s)),)
         vals.append(tuple(s))
     loss = draw(st.sampled_from(["sumsq", "mean", "sum_tanh"]))
-    return {"shapes": shapes, "steps": steps, "loss": loss,
-            "seed": draw(st.integers(0, 2 ** 31 - 1)), "smooth": smooth}
+    return {
+        "shapes": shapes,
+        "steps": steps,
+        "loss": loss,
+        "seed": draw(st.integers(0, 2**31 - 1)),
+        "smooth": smooth,
+    }
 
 
 def _broadcasts(a, b) -> bool:
@@ -147,8 +177,8 @@ def build(prog):
 
     def f(*xs):
         # Inputs are values 0..; a matmul's weight input is a value at its own position.
-        weights = iter(xs[n_in - _n_weights(prog):]) if _n_weights(prog) else iter(())
-        vals = list(xs[:n_in - _n_weights(prog)])
+        weights = iter(xs[n_in - _n_weights(prog) :]) if _n_weights(prog) else iter(())
+        vals = list(xs[: n_in - _n_weights(prog)])
         for st_ in prog["steps"]:
             k = st_[0]
             if k == "u":
@@ -196,8 +226,14 @@ def _scale(g) -> float:
 
 
 def _max_err(a, b) -> float:
-    return max([0.0] + [float(jnp.max(jnp.abs(x - y))) for x, y in
-                        zip(jax.tree.leaves(a), jax.tree.leaves(b)) if np.size(x)])
+    return max(
+        [0.0]
+        + [
+            float(jnp.max(jnp.abs(x - y)))
+            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+            if np.size(x)
+        ]
+    )
 
 
 # ---------------------------------------------------------------- 1 + 2: gradients and policies
@@ -225,7 +261,9 @@ def _programs_and_policies(case):
     with_policy = tg.grad(f, argnums=argnums, policy=POLICIES[name])(*xs)
     COUNT["policy_runs"] += 1
     err = _max_err(with_policy, got)
-    assert err <= POLICY_TOL[name] * _scale(got), f"{name}: error {err:.3g} at scale {_scale(got):.3g}"
+    assert err <= POLICY_TOL[name] * _scale(got), (
+        f"{name}: error {err:.3g} at scale {_scale(got):.3g}"
+    )
 
 
 # ---------------------------------------------------------------- 3: any input
@@ -235,8 +273,7 @@ def _mutate(draw, x):
     kind = draw(st.sampled_from(["none", "dtype", "values", "shape", "container"]))
     event(f"mutation={kind}")
     if kind == "dtype":
-        dt = draw(st.sampled_from(["float16", "bfloat16", "float64", "int32", "bool",
-                                   "complex64"]))
+        dt = draw(st.sampled_from(["float16", "bfloat16", "float64", "int32", "bool", "complex64"]))
         return np.asarray(x).astype(dt) if dt != "bfloat16" else x.astype(jnp.bfloat16)
     if kind == "values":
         special = draw(st.sampled_from([np.nan, np.inf, -np.inf, 0.0, 1e30, -1e-30]))
@@ -296,21 +333,26 @@ def _any_input(data):
     anomaly = data.draw(st.booleans())
     note(f"program: {prog}\ninputs: {xs}\nargnums={argnums} policy={name} anomaly={anomaly}")
     j_status, j = _outcome(lambda: jax.grad(f, argnums=argnums)(*xs))
-    t_status, t = _outcome(lambda: tg.grad(f, argnums=argnums, policy=POLICIES[name],
-                                           anomaly=anomaly)(*xs))
+    t_status, t = _outcome(
+        lambda: tg.grad(f, argnums=argnums, policy=POLICIES[name], anomaly=anomaly)(*xs)
+    )
     COUNT["inputs"] += 1
     event(f"jax={j_status} tapegrad={t_status}")
     if t_status == "raised":
         COUNT["input_errors"] += 1
         same_as_jax = j_status == "raised" and isinstance(t, type(j))
         assert isinstance(t, tg.TapegradError) or _is_jax_error(t) or same_as_jax, (
-            f"tapegrad raised {type(t).__name__}: {t}\n(jax: {j_status} {type(j).__name__})")
+            f"tapegrad raised {type(t).__name__}: {t}\n(jax: {j_status} {type(j).__name__})"
+        )
         return
     if anomaly or name in COMPRESSING:
         return  # anomaly mode may refuse what jax computes; compression is checked above
     assert j_status == "ok", f"tapegrad returned a gradient where jax.grad raised {j!r}"
-    finite = all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(xs)
-                 if np.issubdtype(np.asarray(x).dtype, np.number))
+    finite = all(
+        np.all(np.isfinite(np.asarray(x)))
+        for x in jax.tree.leaves(xs)
+        if np.issubdtype(np.asarray(x).dtype, np.number)
+    )
     dts = {np.asarray(x).dtype for x in jax.tree.leaves(xs)}
     if finite and not dts & {np.dtype(jnp.bfloat16), np.dtype(np.float16)}:
         assert _max_err(t, j) <= 1e-4 * _scale(j), (t, j)
@@ -325,9 +367,11 @@ def test_random_programs_and_policies(request):
         _programs_and_policies()
     finally:
         n = COUNT["programs"] - before["programs"]
-        msg = (f"test_fuzz_policies: {n} random programs checked against jax.grad, each also "
-               f"under one random residual policy ({COUNT['policy_runs'] - before['policy_runs']} "
-               "policy runs)")
+        msg = (
+            f"test_fuzz_policies: {n} random programs checked against jax.grad, each also "
+            f"under one random residual policy ({COUNT['policy_runs'] - before['policy_runs']} "
+            "policy runs)"
+        )
         print(msg)
         request.node.user_properties.append(("summary", msg))
     assert n > 0
@@ -339,17 +383,24 @@ def test_random_inputs_never_crash(request):
         _any_input()
     finally:
         n = COUNT["inputs"] - before["inputs"]
-        msg = (f"test_fuzz_policies: {n} random programs called with random inputs "
-               f"({COUNT['input_errors'] - before['input_errors']} raised a TapegradError or "
-               "jax's error, the rest matched jax.grad)")
+        msg = (
+            f"test_fuzz_policies: {n} random programs called with random inputs "
+            f"({COUNT['input_errors'] - before['input_errors']} raised a TapegradError or "
+            "jax's error, the rest matched jax.grad)"
+        )
         print(msg)
         request.node.user_properties.append(("summary", msg))
     assert n > 0
 
 
 def test_the_builder_is_what_it_says():
-    prog = {"shapes": [(2, 3)], "steps": [("mm", 0, 1), ("u", "sin", 2), ("r", "sum", 3, 0, False)],
-            "loss": "sumsq", "seed": 0, "smooth": True}
+    prog = {
+        "shapes": [(2, 3)],
+        "steps": [("mm", 0, 1), ("u", "sin", 2), ("r", "sum", 3, 0, False)],
+        "loss": "sumsq",
+        "seed": 0,
+        "smooth": True,
+    }
     prog["shapes"].append((3, 2))
     x, w = inputs(prog)
     want = jnp.sum(jnp.sum(jnp.sin(x @ w), axis=0) ** 2)

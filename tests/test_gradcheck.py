@@ -26,9 +26,10 @@ def wrong_sin(x):
     return jnp.sin(x)
 
 
-wrong_sin.defvjp(lambda x: (jnp.sin(x), x),
-                 lambda x, g: (g * jnp.cos(x) * jnp.where(jnp.arange(x.size).reshape(x.shape) == 2,
-                                                          1.1, 1.0),))  # 10% off at element 2
+wrong_sin.defvjp(
+    lambda x: (jnp.sin(x), x),
+    lambda x, g: (g * jnp.cos(x) * jnp.where(jnp.arange(x.size).reshape(x.shape) == 2, 1.1, 1.0),),
+)  # 10% off at element 2
 
 
 @jax.custom_vjp
@@ -37,8 +38,9 @@ def sin_first_order_only(x):
 
 
 # Right first derivative, but stop_gradient hides its own derivative: wrong second order.
-sin_first_order_only.defvjp(lambda x: (jnp.sin(x), x),
-                            lambda x, g: (g * jax.lax.stop_gradient(jnp.cos(x)),))
+sin_first_order_only.defvjp(
+    lambda x: (jnp.sin(x), x), lambda x, g: (g * jax.lax.stop_gradient(jnp.cos(x)),)
+)
 
 
 @pytest.fixture(autouse=True)
@@ -57,7 +59,7 @@ def test_correct_gradients_pass():
 def test_pytrees_multiple_outputs_and_integer_arguments():
     def f(p, x, n):
         h = jnp.tanh(x @ p["w"]) * n
-        return {"h": h, "s": jnp.sum(h ** 2), "idx": jnp.argmax(h)}  # argmax: not checked
+        return {"h": h, "s": jnp.sum(h**2), "idx": jnp.argmax(h)}  # argmax: not checked
 
     p = {"w": RNG.standard_normal((4, 2))}
     assert tg.gradcheck(f, (p, X, 3))
@@ -83,7 +85,9 @@ def test_wrong_gradient_names_input_element_and_values():
 
 def test_fast_mode_catches_a_wrong_gradient():
     x = np.linspace(0.1, 1.0, 4)
-    with pytest.raises(tg.GradcheckError, match=r"fast_mode.*input 0 \(args\[0\]\).*fast_mode=False"):
+    with pytest.raises(
+        tg.GradcheckError, match=r"fast_mode.*input 0 \(args\[0\]\).*fast_mode=False"
+    ):
         tg.gradcheck(wrong_sin, (x,), fast_mode=True)
 
 

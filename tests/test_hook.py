@@ -11,11 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import assert_trees_close, rand
 
 import tapegrad as tg
 from tapegrad.rules.control import custom_vjp_name
-
-from conftest import assert_trees_close, rand
 
 GRADS = {"tg.grad": tg.grad, "jax.grad": jax.grad}
 
@@ -88,8 +87,9 @@ def test_hook_returning_none_keeps_the_cotangent():
 def test_observe_hook_sees_concrete_values_on_every_call_under_jit(grad):
     x = rand((4,), seed=5)
     seen = []
-    f = lambda x: downstream(tg.hook(upstream(x), lambda g: seen.append(np.asarray(g)),
-                                     observe=True))
+    f = lambda x: downstream(
+        tg.hook(upstream(x), lambda g: seen.append(np.asarray(g)), observe=True)
+    )
     g = jax.jit(grad(f))
     g(x)
     g(x + 1.0)
@@ -130,7 +130,7 @@ def test_hooks_run_in_backward_order():
     def f(x):
         a = tg.hook(jnp.sin(x), lambda g: order.append("a"))
         b = tg.hook(a * 2.0, lambda g: order.append("b"))
-        return jnp.sum(b ** 2)
+        return jnp.sum(b**2)
 
     tg.grad(f)(x)
     jax.grad(f)(x)
@@ -157,8 +157,9 @@ def test_hook_on_a_pytree(grad):
     assert_trees_close(seen[0]["s"], jnp.full(3, 3.0))
 
 
-@pytest.mark.parametrize("outer,inner", [(tg.grad, tg.grad), (jax.grad, jax.grad)],
-                         ids=["tg-tg", "jax-jax"])
+@pytest.mark.parametrize(
+    "outer,inner", [(tg.grad, tg.grad), (jax.grad, jax.grad)], ids=["tg-tg", "jax-jax"]
+)
 def test_double_backward_through_a_jax_op_hook(outer, inner):
     x = jnp.float32(0.7)
     f = lambda x: jnp.sin(tg.hook(x * x, lambda g: g * 3.0))
@@ -193,8 +194,11 @@ def test_hook_errors():
     def shrink(g):
         return g[:2]
 
-    with pytest.raises(tg.HookError, match=r"hook shrink returned a cotangent of shape \(2,\) for a "
-                                         r"value of shape \(3,\)"):
+    with pytest.raises(
+        tg.HookError,
+        match=r"hook shrink returned a cotangent of shape \(2,\) for a "
+        r"value of shape \(3,\)",
+    ):
         tg.grad(lambda x: jnp.sum(tg.hook(jnp.sin(x), shrink)))(x)
 
     def as_tuple(g):

@@ -18,12 +18,12 @@ import jax
 import jax.numpy as jnp
 import jax.scipy.special as jss
 import numpy as np
+from conftest import assert_trees_close, enable_x64
 from hypothesis import event, given, note, settings
 from hypothesis import strategies as st
 from jax import lax
 
 import tapegrad as tg
-from conftest import assert_trees_close, enable_x64
 
 # Unary ops that are defined and smooth (almost) everywhere on the reals, and
 # keep values moderate however they are composed.
@@ -102,8 +102,7 @@ def programs(draw):
     shapes = []
     for _ in range(n_in):
         drop = draw(st.integers(0, rank))  # leading dims left to broadcasting
-        shape = tuple(1 if draw(st.booleans()) and draw(st.booleans()) else d
-                      for d in base[drop:])
+        shape = tuple(1 if draw(st.booleans()) and draw(st.booleans()) else d for d in base[drop:])
         shapes.append(shape)
     shapes[0] = base  # so the output has the full shape at least once
     n_steps = draw(st.integers(2, 8))
@@ -112,16 +111,30 @@ def programs(draw):
         avail = n_in + k
         kind = draw(st.sampled_from(["u", "u", "b", "b", "a"]))
         if kind == "u":
-            steps.append(("u", draw(st.sampled_from(sorted(UNARY))), draw(st.integers(0, avail - 1))))
+            steps.append(
+                ("u", draw(st.sampled_from(sorted(UNARY))), draw(st.integers(0, avail - 1)))
+            )
         elif kind == "b":
-            steps.append(("b", draw(st.sampled_from(sorted(BINARY))),
-                          draw(st.integers(0, avail - 1)), draw(st.integers(0, avail - 1))))
+            steps.append(
+                (
+                    "b",
+                    draw(st.sampled_from(sorted(BINARY))),
+                    draw(st.integers(0, avail - 1)),
+                    draw(st.integers(0, avail - 1)),
+                )
+            )
         else:
-            steps.append(("a", draw(st.sampled_from(sorted(AXIS_OPS))), draw(st.integers(0, 2)),
-                          draw(st.integers(0, avail - 1))))
+            steps.append(
+                (
+                    "a",
+                    draw(st.sampled_from(sorted(AXIS_OPS))),
+                    draw(st.integers(0, 2)),
+                    draw(st.integers(0, avail - 1)),
+                )
+            )
     n_final = draw(st.integers(1, 2))
     finals = [draw(st.sampled_from(sorted(FINAL))) for _ in range(n_final)]
-    seed = draw(st.integers(0, 2 ** 31 - 1))
+    seed = draw(st.integers(0, 2**31 - 1))
     return {"shapes": shapes, "steps": steps, "finals": finals, "seed": seed}
 
 
@@ -208,9 +221,12 @@ def test_random_programs_float32(request):
 
 def test_programs_are_built_as_described():
     """The builder itself: a fixed program gives the value computed by hand."""
-    prog = {"shapes": [(2, 3), (3,)], "steps": [("b", "mul", 0, 1), ("u", "sin", 2),
-                                               ("a", "sum_keepdims", 1, 3)],
-            "finals": ["sum"], "seed": 0}
+    prog = {
+        "shapes": [(2, 3), (3,)],
+        "steps": [("b", "mul", 0, 1), ("u", "sin", 2), ("a", "sum_keepdims", 1, 3)],
+        "finals": ["sum"],
+        "seed": 0,
+    }
     x, y = inputs(prog, "float32")
     want = jnp.sum(jnp.sum(jnp.sin(x * y), axis=1, keepdims=True))
     np.testing.assert_allclose(build(prog)(x, y), want, rtol=1e-6)

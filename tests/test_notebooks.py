@@ -34,8 +34,10 @@ def _require_extra() -> None:
         except ImportError:
             missing.append(mod)
     if missing:
-        pytest.fail(f"the notebook tests need {', '.join(missing)}: "
-                    'pip install -e ".[notebooks]"', pytrace=False)
+        pytest.fail(
+            f'the notebook tests need {", ".join(missing)}: pip install -e ".[notebooks]"',
+            pytrace=False,
+        )
 
 
 def _notebooks() -> list[Path]:
@@ -71,7 +73,8 @@ def test_notebooks_match_their_sources():
         # Compared as JSON, so a different nbformat's whitespace is not a difference.
         assert json.loads(path.read_text()) == json.loads(_build.render(src)), (
             f"{path.name} differs from {src.relative_to(ROOT)}: edit the source, then run "
-            "python notebooks/_build.py")
+            "python notebooks/_build.py"
+        )
 
 
 @pytest.mark.parametrize("stem", EXPECTED)
@@ -84,14 +87,17 @@ def test_notebook_runs(stem, request):
     # The kernel must be this interpreter's environment (the one with tapegrad installed),
     # not whatever `python` a kernelspec finds first.
     probe = nbformat.v4.new_code_cell(
-        f"import sys\nassert sys.prefix == {sys.prefix!r}, (sys.executable, {sys.executable!r})")
+        f"import sys\nassert sys.prefix == {sys.prefix!r}, (sys.executable, {sys.executable!r})"
+    )
     nb.cells.insert(0, probe)
-    client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=300,
-                                     resources={"metadata": {"path": str(NB_DIR)}})
+    client = nbclient.NotebookClient(
+        nb, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(NB_DIR)}}
+    )
     start = time.perf_counter()
     try:
         client.execute()
     except nbclient.exceptions.CellExecutionError as e:
         pytest.fail(f"{stem}.ipynb failed:\n{e}", pytrace=False)
     request.node.user_properties.append(
-        ("summary", f"{stem}.ipynb ran in {time.perf_counter() - start:.1f} s"))
+        ("summary", f"{stem}.ipynb ran in {time.perf_counter() - start:.1f} s")
+    )

@@ -33,6 +33,7 @@ print("jax", jax.__version__, "| tapegrad", tg.__version__, "|", jax.devices()[0
 # A 3-layer tanh MLP with a mean-square readout; parameters are a list of matrices (any
 # pytree works).
 
+
 # %%
 def loss(params, x):
     h = x
@@ -57,6 +58,7 @@ print("loss", float(v_tg), "| grads match jax.grad")
 # %% [markdown]
 # `tg.vjp` returns `(out, vjp_fn)` like `jax.vjp`. Here on the (non-scalar) hidden layer,
 # with a random cotangent:
+
 
 # %%
 def hidden(params, x):
@@ -110,8 +112,10 @@ why = {
 }
 for rec in tape.records:
     saves = ",".join(map(str, rec.saves)) or "-"
-    print(f"#{rec.index} {rec.primitive:<12} saves {saves:<8} {rec.saved_bytes:>7,} B  "
-          f"{why[rec.primitive]}")
+    print(
+        f"#{rec.index} {rec.primitive:<12} saves {saves:<8} {rec.saved_bytes:>7,} B  "
+        f"{why[rec.primitive]}"
+    )
 
 by_prim = {}
 for rec in tape.records:
@@ -158,8 +162,10 @@ jax_bytes = sum(line_bytes(ln) for ln in jax_lines)
 # The same count from the residuals jax.vjp really holds (its vjp_fn is a Partial over them).
 _, jax_vjp_fn = jax.vjp(loss, params, x)
 held = [a for a in jax.tree_util.tree_leaves(jax_vjp_fn) if isinstance(a, jax.Array)]
-print(f"\njax: {len(jax_lines)} residuals, {jax_bytes:,} B (vjp_fn holds {len(held)} arrays, "
-      f"{sum(a.nbytes for a in held):,} B)")
+print(
+    f"\njax: {len(jax_lines)} residuals, {jax_bytes:,} B (vjp_fn holds {len(held)} arrays, "
+    f"{sum(a.nbytes for a in held):,} B)"
+)
 print(f"tapegrad: {len(tape.residual_vars())} residuals, {tape.saved_bytes:,} B")
 assert jax_bytes == sum(a.nbytes for a in held)
 assert tape.saved_bytes < jax_bytes
@@ -175,7 +181,9 @@ n_sub = sum(" output of sub " in ln for ln in jax_lines)
 n_tanh = sum(r.primitive == "tanh" for r in tape.records)
 act = x.nbytes  # one (32, 64) activation
 extra = jax_bytes - tape.saved_bytes
-print(f"jax keeps {n_sub} 'sub' activations that tapegrad recomputes; "
-      f"difference {extra:,} B = {extra // act} activations")
+print(
+    f"jax keeps {n_sub} 'sub' activations that tapegrad recomputes; "
+    f"difference {extra:,} B = {extra // act} activations"
+)
 assert n_sub == n_tanh
 assert extra == (n_sub + 1) * act  # the `sub`s and jax's extra `2h`

@@ -59,11 +59,14 @@ def loss(p, x):
 d, ff = 64, 256
 ks = jax.random.split(jax.random.PRNGKey(0), 5)
 params = {
-    "ln1": (jnp.ones(d), jnp.zeros(d)), "ln2": (jnp.ones(d), jnp.zeros(d)),
+    "ln1": (jnp.ones(d), jnp.zeros(d)),
+    "ln2": (jnp.ones(d), jnp.zeros(d)),
     "wqkv": jax.random.normal(ks[0], (d, 3 * d)) / np.sqrt(d),
     "wo": jax.random.normal(ks[1], (d, d)) / np.sqrt(d),
-    "w1": jax.random.normal(ks[2], (d, ff)) / np.sqrt(d), "b1": jnp.zeros(ff),
-    "w2": jax.random.normal(ks[3], (ff, d)) / np.sqrt(ff), "b2": jnp.zeros(d),
+    "w1": jax.random.normal(ks[2], (d, ff)) / np.sqrt(d),
+    "b1": jnp.zeros(ff),
+    "w2": jax.random.normal(ks[3], (ff, d)) / np.sqrt(ff),
+    "b2": jnp.zeros(d),
 }
 x = jax.random.normal(ks[4], (2, 16, d))
 g_ref = jax.jit(jax.grad(loss))(params, x)  # the oracle (jitted: one compile, not one per op)
@@ -75,7 +78,7 @@ g_ref = jax.jit(jax.grad(loss))(params, x)  # the oracle (jitted: one compile, n
 # * `offload()` — move them to pinned host memory in forward, back in backward (on CPU the
 #   arrays really change memory kind; the saving shows on an accelerator);
 # * `compress(jnp.bfloat16)` — store floating residuals as bfloat16;
-# * `compress("int8")` — int8 with one absmax scale per tensor.
+# * `compress("int8")` — int8 with one scale per block of 16 values (a 1-byte code each).
 #
 # The gradient error is relative to the largest entry of each gradient, worst over leaves.
 
@@ -89,8 +92,10 @@ policies = {
 
 
 def rel_error(g, ref):
-    return max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
-               for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(ref)))
+    return max(
+        float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+        for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(ref))
+    )
 
 
 grads, reports = {}, {}
@@ -100,8 +105,10 @@ for name, policy in policies.items():
 
 print(f"{'policy':<8} {'grad rel. err':>13} {'device B':>10} {'host B':>10} {'peak B':>10}")
 for name, rep in reports.items():
-    print(f"{name:<8} {rel_error(grads[name], g_ref):>13.2e} {rep.device_bytes:>10,} "
-          f"{rep.host_bytes:>10,} {rep.peak_bytes:>10,}")
+    print(
+        f"{name:<8} {rel_error(grads[name], g_ref):>13.2e} {rep.device_bytes:>10,} "
+        f"{rep.host_bytes:>10,} {rep.peak_bytes:>10,}"
+    )
 
 # %% [markdown]
 # What these numbers must be, checked:
@@ -147,6 +154,7 @@ plt.show()
 # `route(fn)` calls `fn(info)` for each residual and uses the policy it returns. Here: offload
 # what is at least 8 KiB, keep the small ones (layer-norm statistics, scales) on device.
 
+
 # %%
 def big_to_host(info):
     return P.offload() if info.nbytes >= 8 << 10 else P.save()
@@ -156,8 +164,9 @@ routed = tg.memory_report(loss, policy=P.route(big_to_host))(params, x)
 print(f"device {routed.device_bytes:,} B, host {routed.host_bytes:,} B")
 assert routed.device_bytes + routed.host_bytes == save.residual_bytes
 assert 0 < routed.device_bytes < routed.host_bytes
-chex.assert_trees_all_close(tg.grad(loss, policy=P.route(big_to_host))(params, x), g_ref,
-                            rtol=1e-5, atol=1e-6)
+chex.assert_trees_all_close(
+    tg.grad(loss, policy=P.route(big_to_host))(params, x), g_ref, rtol=1e-5, atol=1e-6
+)
 
 # %% [markdown]
 # ## A custom policy: profile residual bytes by primitive
@@ -165,6 +174,7 @@ chex.assert_trees_all_close(tg.grad(loss, policy=P.route(big_to_host))(params, x
 # Any object with `pack(value, info)` and `unpack(packed, info)` is a policy. `info` is a
 # `tg.ResidualInfo`: the record, which value (`in0`, `out0`, ...), shape, dtype, bytes, source
 # line. This one changes nothing; it counts what passes through.
+
 
 # %%
 class ProfileBytes:
@@ -225,8 +235,10 @@ with tg.saved_tensors_hooks(pack_hook, unpack_hook):
     out, vjp_fn = tg.vjp(loss, params, x)
 assert not unpacked_sizes  # nothing is unpacked before backward
 g_hooks, _ = vjp_fn(jnp.ones_like(out))
-print(f"{len(packed_sizes)} residuals packed ({sum(packed_sizes):,} B), "
-      f"{len(unpacked_sizes)} unpacked")
+print(
+    f"{len(packed_sizes)} residuals packed ({sum(packed_sizes):,} B), "
+    f"{len(unpacked_sizes)} unpacked"
+)
 assert sorted(packed_sizes) == sorted(unpacked_sizes)
 # tg.vjp differentiates every input (x too), so a few more values are kept than under grad
 assert sum(packed_sizes) == tg.trace(loss)(params, x).saved_bytes

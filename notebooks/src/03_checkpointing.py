@@ -28,6 +28,7 @@ CP = tg.CheckpointPolicy
 # Eight residual layers `h + gelu(h @ w)`, width 64, batch 32. The residual stream is
 # tagged with `tg.name` (jax's `checkpoint_name`) so that policies can refer to it.
 
+
 # %%
 def layer(w, h):
     return tg.name(h + jax.nn.gelu(h @ w), "resid")
@@ -76,6 +77,7 @@ print(f"save everything: activation peak {activation_peak(base):,} B")
 # `tg.checkpoint` is `jax.checkpoint`, so the same code also runs under `jax.grad`. Each
 # layer's insides are recomputed; only the layer inputs are kept.
 
+
 # %%
 def loss_ckpt(ws, x):
     h = x
@@ -90,8 +92,10 @@ ckpt = tg.memory_report(loss_ckpt)(ws, x)
 tape = ckpt.tape
 n_rec = sum(r.decision == "recompute" for r in tape.records)
 print(f"{n_rec} of {len(tape)} records recomputed, in {len(tape.segments)} segments")
-print(f"activation peak {activation_peak(ckpt):,} B (was {activation_peak(base):,} B); "
-      f"recompute {recompute_flops(tape):,} flops")
+print(
+    f"activation peak {activation_peak(ckpt):,} B (was {activation_peak(base):,} B); "
+    f"recompute {recompute_flops(tape):,} flops"
+)
 assert activation_peak(ckpt) < activation_peak(base) / 2
 assert len(tape.segments) >= len(ws) - 1
 
@@ -112,6 +116,7 @@ print("\n".join(str(tape.records[i]) for i in seg.records[:4]))
 # PyTorch's helper: split a list of functions into `segments` chunks and checkpoint all but
 # the last. `"sqrt"` picks √n chunks, the classic memory/recompute balance.
 
+
 # %%
 def loss_seq(ws, x):
     fns = [lambda h, w=w: layer(w, h) for w in ws]
@@ -120,8 +125,10 @@ def loss_seq(ws, x):
 
 chex.assert_trees_all_close(tg.grad(loss_seq)(ws, x), g_ref, **TOL)
 seq = tg.memory_report(loss_seq)(ws, x)
-print(f"activation peak {activation_peak(seq):,} B, {len(seq.tape.segments)} segments, "
-      f"recompute {recompute_flops(seq.tape):,} flops")
+print(
+    f"activation peak {activation_peak(seq):,} B, {len(seq.tape.segments)} segments, "
+    f"recompute {recompute_flops(seq.tape):,} flops"
+)
 assert activation_peak(ckpt) <= activation_peak(seq) < activation_peak(base)
 
 # %% [markdown]
@@ -131,6 +138,7 @@ assert activation_peak(ckpt) <= activation_peak(seq) < activation_peak(base)
 # or `PREFER_SAVE` / `PREFER_RECOMPUTE` (hints a budget planner may override). Saving the
 # matmul outputs and the residual stream and recomputing the cheap elementwise GELU is
 # jax's `dots_saveable` idea; saving only the residual stream is per-layer checkpointing.
+
 
 # %%
 def dots_and_resid(rec):
@@ -151,13 +159,18 @@ for fn in (dots_and_resid, prefer_dots_and_resid, resid_only):
     policy = tg.selective(fn)
     chex.assert_trees_all_close(tg.grad(loss, policy=policy)(ws, x), g_ref, **TOL)
     sel[fn.__name__] = rep = tg.memory_report(loss, policy=policy)(ws, x)
-    print(f"{fn.__name__:<22} activation peak {activation_peak(rep):>8,} B, "
-          f"recompute {recompute_flops(rep.tape):>10,} flops")
+    print(
+        f"{fn.__name__:<22} activation peak {activation_peak(rep):>8,} B, "
+        f"recompute {recompute_flops(rep.tape):>10,} flops"
+    )
 
 # Without a budget, PREFER_x means x: the same plan as the binding version.
 assert activation_peak(sel["prefer_dots_and_resid"]) == activation_peak(sel["dots_and_resid"])
-assert (activation_peak(sel["resid_only"]) < activation_peak(sel["dots_and_resid"])
-        < activation_peak(base))
+assert (
+    activation_peak(sel["resid_only"])
+    < activation_peak(sel["dots_and_resid"])
+    < activation_peak(base)
+)
 assert recompute_flops(sel["dots_and_resid"].tape) < recompute_flops(sel["resid_only"].tape)
 
 # %% [markdown]
@@ -171,7 +184,8 @@ assert recompute_flops(sel["dots_and_resid"].tape) < recompute_flops(sel["resid_
 # %%
 tight = (activation_peak(sel["dots_and_resid"]) + activation_peak(sel["resid_only"])) // 2
 prefer = tg.memory_report(
-    loss, policy=tg.policies.budget(bytes=tight, base=tg.selective(prefer_dots_and_resid)))(ws, x)
+    loss, policy=tg.policies.budget(bytes=tight, base=tg.selective(prefer_dots_and_resid))
+)(ws, x)
 print(f"budget {tight:,} B with PREFER_* hints: peak {activation_peak(prefer):,} B")
 assert activation_peak(prefer) <= tight
 try:

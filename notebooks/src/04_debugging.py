@@ -32,6 +32,7 @@ warnings.filterwarnings("ignore", message="tapegrad anomaly detection is enabled
 # `model` takes a square root of `tanh(x) - 0.5`, negative for most `x`. The loss is NaN,
 # and so is the gradient, but neither says where it came from.
 
+
 # %%
 def model(x):
     h = jnp.tanh(x) - 0.5
@@ -73,14 +74,21 @@ assert f"record #{bad.index}" in str(err) and bad.source in str(err)
 # `x <= 0` is NaN: the discarded branch's derivative (`0.5 / sqrt(x)`: inf or NaN) is
 # multiplied by a zero cotangent, and `0 * inf = NaN`. `jax.grad` gives the same NaNs.
 
+
 # %%
 def safe_sqrt_sum(x):
     return jnp.sum(jnp.where(x > 0, jnp.sqrt(x), 0.0))
 
 
 x2 = jnp.array([0.0, -1.0, 4.0])
-print("value", safe_sqrt_sum(x2), "| tg.grad", tg.grad(safe_sqrt_sum)(x2),
-      "| jax.grad", jax.grad(safe_sqrt_sum)(x2))
+print(
+    "value",
+    safe_sqrt_sum(x2),
+    "| tg.grad",
+    tg.grad(safe_sqrt_sum)(x2),
+    "| jax.grad",
+    jax.grad(safe_sqrt_sum)(x2),
+)
 assert np.isnan(np.asarray(jax.grad(safe_sqrt_sum)(x2))[:2]).all()
 
 # %% [markdown]
@@ -100,6 +108,7 @@ assert "backward of 'sqrt'" in str(err)
 # %% [markdown]
 # The fix the message suggests: guard the argument, not only the result. Now the gradient is
 # finite and matches jax's on the same function.
+
 
 # %%
 def safer_sqrt_sum(x):
@@ -125,7 +134,7 @@ try:
     raise AssertionError("the jitted check should have raised")
 except Exception as e:  # jax.errors.JaxRuntimeError around tg.AnomalyError
     kind, msg = type(e).__name__, str(e)
-print(kind, "...", msg[msg.find("backward of"):][:300])
+print(kind, "...", msg[msg.find("backward of") :][:300])
 assert "backward of 'sqrt'" in msg
 
 # %% [markdown]
@@ -134,6 +143,7 @@ assert "backward of 'sqrt'" in msg
 # A numerically stable softplus, `log(1 + e^x)`, with a hand-written backward. `tg.Function`
 # follows `torch.autograd.Function`: `ctx.save_for_backward` sends the residual through the
 # active residual policy, and `apply` is built on `jax.custom_vjp`.
+
 
 # %%
 class Softplus(tg.Function):

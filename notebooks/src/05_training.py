@@ -113,6 +113,7 @@ plt.show()
 # with every parameter getting a leading batch axis. Checked against the same with
 # `jax.grad`, and against the mean gradient.
 
+
 # %%
 def example_loss(params, x, y):
     model = eqx.combine(params, static)
@@ -130,15 +131,19 @@ assert first.shape[0] == 32
 
 # The mean of the per-example gradients is the gradient of the mean loss.
 g_mean = jax.jit(jax.grad(loss))(params, X[:32], Y[:32])
-chex.assert_trees_all_close(jax.tree_util.tree_map(lambda g: g.mean(0), g_each), g_mean,
-                            rtol=1e-4, atol=1e-6)
+chex.assert_trees_all_close(
+    jax.tree_util.tree_map(lambda g: g.mean(0), g_each), g_mean, rtol=1e-4, atol=1e-6
+)
 
 # %% [markdown]
 # Per-example gradient norms show which examples pull hardest on the model:
 
 # %%
-norms = jnp.sqrt(sum(jnp.sum(g.reshape(32, -1) ** 2, axis=1)
-                     for g in jax.tree_util.tree_leaves(g_each)))
+norms = jnp.sqrt(
+    sum(jnp.sum(g.reshape(32, -1) ** 2, axis=1) for g in jax.tree_util.tree_leaves(g_each))
+)
 worst = int(jnp.argmax(norms))
-print(f"largest per-example gradient norm {float(norms[worst]):.3f} at example {worst}, "
-      f"residual {float(trained(X[worst])[0] - Y[worst, 0]):+.3f}")
+print(
+    f"largest per-example gradient norm {float(norms[worst]):.3f} at example {worst}, "
+    f"residual {float(trained(X[worst])[0] - Y[worst, 0]):+.3f}"
+)

@@ -29,7 +29,7 @@ Shipped passes:
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from tapegrad._tape import Tape
 from tapegrad.errors import InvalidTapeError
@@ -37,8 +37,16 @@ from tapegrad.passes.check_finite import check_finite
 from tapegrad.passes.checks import check_effects, check_rules, effects_of, validate
 from tapegrad.passes.dce import dce
 
-__all__ = ["Pass", "run", "dce", "check_finite", "validate", "check_rules", "check_effects",
-           "effects_of"]
+__all__ = [
+    "Pass",
+    "run",
+    "dce",
+    "check_finite",
+    "validate",
+    "check_rules",
+    "check_effects",
+    "effects_of",
+]
 
 Pass = Callable[[Tape], Tape]
 
@@ -66,7 +74,8 @@ def run(tape: Tape, passes: Sequence[Pass] | None) -> Tape:
             raise InvalidTapeError(
                 f"the tape pass {_name(p)} returned {type(out).__name__}, not a Tape. A pass "
                 "is a function Tape -> Tape: build the new tape with dataclasses.replace(tape, "
-                "records=...) and return it.")
+                "records=...) and return it."
+            )
         validate(out, after=_name(p))
         tape = out
     return tape

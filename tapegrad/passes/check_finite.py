@@ -50,16 +50,26 @@ def check_finite(tape: Tape, *, check_nan: bool = True, check_inf: bool = True) 
     out: list[Record] = []
 
     def add_check(values: list[Var], sites: list, of: str, source_info=None) -> None:
-        out.append(Record(len(out), "check_finite", tuple(values), (),
-                          frozen_params({"for": what, "of": of}),
-                          prim=CHECK_FINITE, source_info=source_info,
-                          bind_params={"sites": tuple(sites), "producers": producers,
-                                       "mode": mode}))
+        out.append(
+            Record(
+                len(out),
+                "check_finite",
+                tuple(values),
+                (),
+                frozen_params({"for": what, "of": of}),
+                prim=CHECK_FINITE,
+                source_info=source_info,
+                bind_params={"sites": tuple(sites), "producers": producers, "mode": mode},
+            )
+        )
 
     ins = [(k, v) for k, v in enumerate(tape.inputs) if _anomaly.checkable(v)]
     if ins:
-        add_check([v for _, v in ins],
-                  [_anomaly.Site("input", k, None, v, f"#{k}") for k, v in ins], "inputs")
+        add_check(
+            [v for _, v in ins],
+            [_anomaly.Site("input", k, None, v, f"#{k}") for k, v in ins],
+            "inputs",
+        )
     new_index: dict[int, int] = {}
     for pos, rec in enumerate(tape.records):
         new_index[pos] = len(out)
@@ -69,9 +79,14 @@ def check_finite(tape: Tape, *, check_nan: bool = True, check_inf: bool = True) 
             producers[o.id] = new
         outs = [(k, o) for k, o in enumerate(new.outputs) if _anomaly.checkable(o)]
         if outs:
-            add_check([o for _, o in outs],
-                      [_anomaly.Site("forward", k, new, o) for k, o in outs],
-                      f"#{new.index} {new.primitive}", new.source_info)
-    segments = tuple(dataclasses.replace(s, records=tuple(new_index[k] for k in s.records))
-                     for s in tape.segments)
+            add_check(
+                [o for _, o in outs],
+                [_anomaly.Site("forward", k, new, o) for k, o in outs],
+                f"#{new.index} {new.primitive}",
+                new.source_info,
+            )
+    segments = tuple(
+        dataclasses.replace(s, records=tuple(new_index[k] for k in s.records))
+        for s in tape.segments
+    )
     return dataclasses.replace(tape, records=tuple(out), segments=segments)

@@ -40,7 +40,8 @@ def check_rules(tape: Tape) -> Tape:
                 f"'{rec.primitive}' and jax has no JVP rule to fall back on. Give it one: "
                 f"tg.rules.defvjp('{rec.primitive}', ('x0', lambda g, r, p: ...)) for tapegrad, "
                 "jax.interpreters.ad.defjvp for jax, or wrap the computation in jax.custom_vjp. "
-                "If the value needs no gradient, wrap it in jax.lax.stop_gradient.")
+                "If the value needs no gradient, wrap it in jax.lax.stop_gradient."
+            )
     return tape
 
 
@@ -50,9 +51,11 @@ _EFFECTS_CACHE: dict[Any, tuple] = {}
 
 
 def _has_subprograms(params) -> bool:
-    return any(isinstance(v, (Jaxpr, ClosedJaxpr))
-               or (isinstance(v, tuple) and v and isinstance(v[0], (Jaxpr, ClosedJaxpr)))
-               for v in params.values())
+    return any(
+        isinstance(v, (Jaxpr, ClosedJaxpr))
+        or (isinstance(v, tuple) and v and isinstance(v[0], (Jaxpr, ClosedJaxpr)))
+        for v in params.values()
+    )
 
 
 def effects_of(rec) -> tuple:
@@ -105,7 +108,8 @@ def check_effects(tape: Tape) -> Tape:
                     "differ from the first and the gradient would be wrong. Move it out of the "
                     "checkpointed function (tg.checkpoint / jax.checkpoint), or make the policy "
                     "save it, e.g. tg.selective(lambda r: tg.CheckpointPolicy.ALWAYS if "
-                    f"r.primitive == '{rec.primitive}' else ...).")
+                    f"r.primitive == '{rec.primitive}' else ...)."
+                )
     return tape
 
 
@@ -116,8 +120,10 @@ def validate(tape: Tape, after: str | None = None) -> Tape:
     by = f" (after the pass {after})" if after else ""
 
     def fail(msg: str):
-        raise InvalidTapeError(f"invalid tape{by}: {msg}. A pass must keep the tape in "
-                               "program order and renumber records (Record.index) it moves.")
+        raise InvalidTapeError(
+            f"invalid tape{by}: {msg}. A pass must keep the tape in "
+            "program order and renumber records (Record.index) it moves."
+        )
 
     defined = {v.id for v in tape.inputs} | {v.id for v, _ in tape.consts}
     for pos, rec in enumerate(tape.records):

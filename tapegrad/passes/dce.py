@@ -27,8 +27,12 @@ def dce(tape: Tape) -> Tape:
     keep = [False] * len(tape.records)
     for pos in range(len(tape.records) - 1, -1, -1):
         rec = tape.records[pos]
-        if (pos in in_segment or not rec.outputs or any(o.id in needed for o in rec.outputs)
-                or effects_of(rec)):
+        if (
+            pos in in_segment
+            or not rec.outputs
+            or any(o.id in needed for o in rec.outputs)
+            or effects_of(rec)
+        ):
             keep[pos] = True
             needed.update(i.id for i in rec.inputs if isinstance(i, Var))
     new_index: dict[int, int] = {}
@@ -36,10 +40,12 @@ def dce(tape: Tape) -> Tape:
     for pos, rec in enumerate(tape.records):
         if keep[pos]:
             new_index[pos] = len(records)
-            records.append(rec if rec.index == len(records)
-                           else dataclasses.replace(rec, index=len(records)))
+            records.append(
+                rec if rec.index == len(records) else dataclasses.replace(rec, index=len(records))
+            )
     consts = tuple((v, c) for v, c in tape.consts if v.id in needed)
-    segments = tuple(dataclasses.replace(seg, records=tuple(new_index[k] for k in seg.records))
-                     for seg in tape.segments)
+    segments = tuple(
+        dataclasses.replace(seg, records=tuple(new_index[k] for k in seg.records))
+        for seg in tape.segments
+    )
     return dataclasses.replace(tape, records=tuple(records), consts=consts, segments=segments)
-

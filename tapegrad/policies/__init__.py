@@ -3,14 +3,40 @@
 A policy is any object with ``pack(value, info)`` and ``unpack(packed, info)``.
 """
 
-from tapegrad.policies._base import (ResidualInfo, ResidualPolicy, Save, current_policy,
-                                     disable_saved_tensors_hooks, residual_policy, save,
-                                     saved_tensors_hooks)
+from tapegrad.policies._base import (
+    ResidualInfo,
+    ResidualPolicy,
+    Save,
+    current_policy,
+    disable_saved_tensors_hooks,
+    residual_policy,
+    save,
+    saved_tensors_hooks,
+)
 from tapegrad.policies.budget import Budget, BudgetError, budget
 from tapegrad.policies.compress import Compress, Int8, compress
 from tapegrad.policies.hooks import Hooks, Route, hooks, route
 from tapegrad.policies.offload import Offload, offload
 
-__all__ = ["Budget", "BudgetError", "budget", "Compress", "Hooks", "Int8", "Offload", "ResidualInfo", "ResidualPolicy", "Route",
-           "Save", "compress", "current_policy", "disable_saved_tensors_hooks", "hooks",
-           "offload", "residual_policy", "route", "save", "saved_tensors_hooks"]
+__all__ = [
+    "Budget",
+    "BudgetError",
+    "budget",
+    "Compress",
+    "Hooks",
+    "Int8",
+    "Offload",
+    "ResidualInfo",
+    "ResidualPolicy",
+    "Route",
+    "Save",
+    "compress",
+    "current_policy",
+    "disable_saved_tensors_hooks",
+    "hooks",
+    "offload",
+    "residual_policy",
+    "route",
+    "save",
+    "saved_tensors_hooks",
+]

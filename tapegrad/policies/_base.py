@@ -14,13 +14,22 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["ResidualPolicy", "ResidualInfo", "Save", "save", "residual_policy",
-           "current_policy", "saved_tensors_hooks", "disable_saved_tensors_hooks"]
+__all__ = [
+    "ResidualPolicy",
+    "ResidualInfo",
+    "Save",
+    "save",
+    "residual_policy",
+    "current_policy",
+    "saved_tensors_hooks",
+    "disable_saved_tensors_hooks",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +43,7 @@ class ResidualInfo:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * int(getattr(self.dtype, 'itemsize', 0))
+        return int(np.prod(self.shape, dtype=np.int64)) * int(getattr(self.dtype, "itemsize", 0))
 
     @property
     def primitive(self) -> str:
@@ -50,13 +59,15 @@ class ResidualInfo:
         return tuple(getattr(self.record, "names", ()))
 
     def __str__(self) -> str:
-        return (f"{self.saved} of '{self.record.primitive}' (record #{self.record.index}, "
-                f"{self.dtype}{list(self.shape)}) at {self.record.source}")
+        return (
+            f"{self.saved} of '{self.record.primitive}' (record #{self.record.index}, "
+            f"{self.dtype}{list(self.shape)}) at {self.record.source}"
+        )
 
 
 @runtime_checkable
 class ResidualPolicy(Protocol):
-    """``pack(value, info) -> anything`` in forward; ``unpack(packed, info) -> array`` in backward."""
+    """``pack(value, info) -> anything`` in forward; ``unpack(packed, info) -> array`` after."""
 
     def pack(self, value: Any, info: ResidualInfo) -> Any: ...
 
@@ -94,7 +105,8 @@ def save() -> Save:
 
 _POLICY: contextvars.ContextVar[Any] = contextvars.ContextVar("tapegrad_policy", default=None)
 _DISABLED: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "tapegrad_hooks_disabled", default=None)
+    "tapegrad_hooks_disabled", default=None
+)
 
 
 def current_policy() -> Any:
@@ -147,7 +159,8 @@ def saved_tensors_hooks(pack_hook: Callable[[Any], Any], unpack_hook: Callable[[
 
 @contextlib.contextmanager
 def disable_saved_tensors_hooks(error_message: str) -> Iterator[None]:
-    """Inside this scope, registering hooks or a residual policy raises ``RuntimeError(error_message)``."""
+    """Inside this scope, registering hooks or a residual policy raises
+    ``RuntimeError(error_message)``."""
     token = _DISABLED.set(error_message)
     try:
         yield

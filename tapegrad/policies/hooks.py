@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from tapegrad.policies._base import ResidualInfo
 
@@ -14,8 +15,10 @@ class Hooks:
 
     def __init__(self, pack: Callable[[Any], Any], unpack: Callable[[Any], Any]):
         if not callable(pack) or not callable(unpack):
-            raise TypeError("hooks(pack, unpack): both hooks must be callables, got "
-                            f"{type(pack).__name__} and {type(unpack).__name__}.")
+            raise TypeError(
+                "hooks(pack, unpack): both hooks must be callables, got "
+                f"{type(pack).__name__} and {type(unpack).__name__}."
+            )
         self.pack_hook, self.unpack_hook = pack, unpack
 
     def pack(self, value, info):
@@ -25,7 +28,8 @@ class Hooks:
         return self.unpack_hook(packed)
 
     def __repr__(self) -> str:
-        return f"hooks({getattr(self.pack_hook, '__name__', '?')}, {getattr(self.unpack_hook, '__name__', '?')})"
+        names = (getattr(h, "__name__", "?") for h in (self.pack_hook, self.unpack_hook))
+        return f"hooks({', '.join(names)})"
 
 
 def hooks(pack: Callable[[Any], Any], unpack: Callable[[Any], Any]) -> Hooks:
@@ -52,8 +56,10 @@ class Route:
     def pack(self, value, info):
         policy = self.fn(info)
         if policy is None:
-            raise TypeError(f"route: the routing function returned None for {info}; "
-                            "return a policy (e.g. tg.policies.save()).")
+            raise TypeError(
+                f"route: the routing function returned None for {info}; "
+                "return a policy (e.g. tg.policies.save())."
+            )
         return (policy, policy.pack(value, info))
 
     def unpack(self, packed, info):

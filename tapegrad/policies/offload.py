@@ -32,8 +32,10 @@ class Offload:
 
     def __init__(self, memory_kind: str = "pinned_host", min_bytes: int = 0):
         if memory_kind not in ("pinned_host", "unpinned_host"):
-            raise ValueError(f"offload: memory_kind must be 'pinned_host' or 'unpinned_host', "
-                             f"got {memory_kind!r}.")
+            raise ValueError(
+                f"offload: memory_kind must be 'pinned_host' or 'unpinned_host', "
+                f"got {memory_kind!r}."
+            )
         self.memory_kind, self.min_bytes = memory_kind, min_bytes
 
     def pack(self, value, info):

@@ -12,11 +12,21 @@ makes ``jax.jit(tg.grad(f))`` and ``tg.grad(tg.grad(f))`` work.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
-__all__ = ["Rule", "Res", "RULES", "NONDIFF", "defvjp", "deflinear", "defrule",
-           "defnondiff", "lookup"]
+__all__ = [
+    "Rule",
+    "Res",
+    "RULES",
+    "NONDIFF",
+    "defvjp",
+    "deflinear",
+    "defrule",
+    "defnondiff",
+    "lookup",
+]
 
 Ref = tuple[str, int]
 
@@ -82,8 +92,13 @@ def defnondiff(*names: str) -> None:
     NONDIFF.update(names)
 
 
-def defvjp(name: str, *per_input: tuple[str, Callable] | None, single_out: bool = True,
-           derive=None, aux_avals=None) -> Rule:
+def defvjp(
+    name: str,
+    *per_input: tuple[str, Callable] | None,
+    single_out: bool = True,
+    derive=None,
+    aux_avals=None,
+) -> Rule:
     """Register per-input cotangent functions, HIPS-autograd style.
 
     Each entry is ``(needs, fn)``: ``needs`` is a space-separated string of refs

@@ -99,7 +99,8 @@ def _cvjp_vjp(p, r, cts, active):
         raise TypeError(
             f"{where(rec)}: a custom_vjp function closes over a value being "
             "differentiated. Pass it as an explicit argument of the custom_vjp function "
-            "(jax raises the same CustomVJPException).")
+            "(jax raises the same CustomVJPException)."
+        )
     full_cts = [c if c is not None else _missing_ct(p, o) for c, o in zip(cts, rec.outputs)]
     in_cts = compat.custom_vjp_backward(dict(p), list(r.aux), full_cts)
     return [None] * n + list(in_cts)
@@ -112,7 +113,8 @@ def _missing_ct(p, aval):
     # ctx.set_materialize_grads(False) relies on it).
     if p.get("symbolic_zeros"):
         return jax.custom_derivatives.SymbolicZero.from_primal_value(
-            jax.ShapeDtypeStruct(aval.shape, aval.dtype))
+            jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+        )
     return _zero_ct(aval)
 
 
@@ -124,8 +126,16 @@ def custom_vjp_name(params) -> str:
     return getattr(debug, "func_name", None) or "<custom_vjp>"
 
 
-defrule(Rule("custom_vjp_call", _cvjp_saves, _cvjp_vjp, derive=_cvjp_derive,
-             aux_avals=_cvjp_avals, kind="custom_vjp"))
+defrule(
+    Rule(
+        "custom_vjp_call",
+        _cvjp_saves,
+        _cvjp_vjp,
+        derive=_cvjp_derive,
+        aux_avals=_cvjp_avals,
+        kind="custom_vjp",
+    )
+)
 
 
 # while: jax has no reverse mode for a dynamic trip count.
@@ -133,7 +143,8 @@ def _while_error(rec):
     return (
         f"Reverse-mode differentiation does not work for lax.while_loop or lax.fori_loop "
         f"with dynamic start/stop values: {where(rec)}. Use lax.scan, or fori_loop with "
-        "static (Python int) start/stop values.")
+        "static (Python int) start/stop values."
+    )
 
 
 defrule(Rule("while", lambda *a: (), lambda *a: (), kind="error"))

@@ -38,6 +38,7 @@ __all__: list[str] = []
 # ---------------------------------------------------------------------------
 # Shape helpers (static: numpy on shapes only).
 
+
 def _dilate_shape(shape, dilation):
     return tuple(0 if d == 0 else 1 + r * (d - 1) for d, r in zip(shape, dilation))
 
@@ -83,12 +84,13 @@ def _reshape_axis_out_of(src, size1, x):
     shape = list(x.shape)
     size2, ragged = divmod(shape[src], size1)
     assert not ragged
-    shape[src:src + 1] = [size1, size2]
+    shape[src : src + 1] = [size1, size2]
     return lax.reshape(x, tuple(shape))
 
 
 # ---------------------------------------------------------------------------
 # conv_general_dilated
+
 
 def _conv_lhs(g, r, p):
     rhs = r.x[1]
@@ -105,16 +107,30 @@ def _conv_lhs(g, r, p):
         fgc = bgc
     dn = lax.ConvDimensionNumbers(tuple(out_spec), _spec_t(rhs_spec), tuple(lhs_spec))
     padding = _vjp_lhs_padding(
-        _take(lhs_shape, lhs_spec[2:]), _take(rhs_shape, rhs_spec[2:]), p["window_strides"],
-        _take(g.shape, out_spec[2:]), p["padding"], p["lhs_dilation"], p["rhs_dilation"])
+        _take(lhs_shape, lhs_spec[2:]),
+        _take(rhs_shape, rhs_spec[2:]),
+        p["window_strides"],
+        _take(g.shape, out_spec[2:]),
+        p["padding"],
+        p["lhs_dilation"],
+        p["rhs_dilation"],
+    )
     flipped = lax.rev(rhs, tuple(rhs_spec[2:]))
     if flipped.dtype != g.dtype:
         flipped = flipped.astype(g.dtype)
     out = lax.conv_general_dilated(
-        g, flipped, window_strides=p["lhs_dilation"], padding=padding,
-        lhs_dilation=p["window_strides"], rhs_dilation=p["rhs_dilation"],
-        dimension_numbers=dn, feature_group_count=fgc, batch_group_count=1,
-        precision=p["precision"], preferred_element_type=p["preferred_element_type"])
+        g,
+        flipped,
+        window_strides=p["lhs_dilation"],
+        padding=padding,
+        lhs_dilation=p["window_strides"],
+        rhs_dilation=p["rhs_dilation"],
+        dimension_numbers=dn,
+        feature_group_count=fgc,
+        batch_group_count=1,
+        precision=p["precision"],
+        preferred_element_type=p["preferred_element_type"],
+    )
     if bgc > 1:
         out = _reshape_axis_out_of(lhs_spec[1], bgc, out)
         out = _reshape_axis_into(lhs_spec[1], lhs_spec[0], out)
@@ -135,15 +151,29 @@ def _conv_rhs(g, r, p):
         fgc, bgc = 1, fgc
     dn = lax.ConvDimensionNumbers(_spec_t(lhs_spec), _spec_t(out_spec), _spec_t(rhs_spec))
     padding = _vjp_rhs_padding(
-        _take(lhs_shape, lhs_spec[2:]), _take(rhs_shape, rhs_spec[2:]), p["window_strides"],
-        _take(g.shape, out_spec[2:]), p["padding"], p["lhs_dilation"], p["rhs_dilation"])
+        _take(lhs_shape, lhs_spec[2:]),
+        _take(rhs_shape, rhs_spec[2:]),
+        p["window_strides"],
+        _take(g.shape, out_spec[2:]),
+        p["padding"],
+        p["lhs_dilation"],
+        p["rhs_dilation"],
+    )
     if lhs.dtype != g.dtype:
         lhs = lhs.astype(g.dtype)
     return lax.conv_general_dilated(
-        lhs, g, window_strides=p["rhs_dilation"], padding=padding,
-        lhs_dilation=p["lhs_dilation"], rhs_dilation=p["window_strides"],
-        dimension_numbers=dn, feature_group_count=fgc, batch_group_count=bgc,
-        precision=p["precision"], preferred_element_type=p["preferred_element_type"])
+        lhs,
+        g,
+        window_strides=p["rhs_dilation"],
+        padding=padding,
+        lhs_dilation=p["lhs_dilation"],
+        rhs_dilation=p["window_strides"],
+        dimension_numbers=dn,
+        feature_group_count=fgc,
+        batch_group_count=bgc,
+        precision=p["precision"],
+        preferred_element_type=p["preferred_element_type"],
+    )
 
 
 defvjp("conv_general_dilated", ("x1", _conv_lhs), ("x0", _conv_rhs))
@@ -152,15 +182,30 @@ defvjp("conv_general_dilated", ("x1", _conv_lhs), ("x0", _conv_rhs))
 # ---------------------------------------------------------------------------
 # reduce_window_sum
 
+
 def _window_sum_ct(g, in_shape, p):
     n = len(in_shape)
-    pads = _vjp_lhs_padding(in_shape, p["window_dimensions"], p["window_strides"], g.shape,
-                            p["padding"], p["base_dilation"], p["window_dilation"])
+    pads = _vjp_lhs_padding(
+        in_shape,
+        p["window_dimensions"],
+        p["window_strides"],
+        g.shape,
+        p["padding"],
+        p["base_dilation"],
+        p["window_dilation"],
+    )
     cfg = [(lo, hi, s - 1) for (lo, hi), s in zip(pads, p["window_strides"])]
     padded = lax.pad(g, np.array(0, g.dtype), cfg)
-    return lax.reduce_window(padded, np.array(0, g.dtype), lax.add, p["window_dimensions"],
-                             p["base_dilation"], [(0, 0)] * n, base_dilation=(1,) * n,
-                             window_dilation=p["window_dilation"])
+    return lax.reduce_window(
+        padded,
+        np.array(0, g.dtype),
+        lax.add,
+        p["window_dimensions"],
+        p["base_dilation"],
+        [(0, 0)] * n,
+        base_dilation=(1,) * n,
+        window_dilation=p["window_dilation"],
+    )
 
 
 defvjp("reduce_window_sum", ("", lambda g, r, p: _window_sum_ct(g, r.in_avals[0].shape, p)))
@@ -169,13 +214,13 @@ defvjp("reduce_window_sum", ("", lambda g, r, p: _window_sum_ct(g, r.in_avals[0]
 # ---------------------------------------------------------------------------
 # reduce_window_max / reduce_window_min: which element of each window won.
 
+
 def _geometry(in_shape, p):
     """(padded/dilated operand shape, output shape, window offsets in row-major order)."""
     dil = _dilate_shape(in_shape, p["base_dilation"])
     full = tuple(d + lo + hi for d, (lo, hi) in zip(dil, p["padding"]))
     win = _dilate_shape(p["window_dimensions"], p["window_dilation"])
-    out = tuple(0 if f < w else (f - w) // s + 1
-                for f, w, s in zip(full, win, p["window_strides"]))
+    out = tuple(0 if f < w else (f - w) // s + 1 for f, w, s in zip(full, win, p["window_strides"]))
     offsets = list(itertools.product(*[range(w) for w in p["window_dimensions"]]))
     return full, out, offsets
 
@@ -221,8 +266,9 @@ def _chosen_ct(g, choice, in_shape, p):
             start = _window_start(off, p)
             limit = _window_limit(start, out, p)
             part = lax.select(choice == k, g, jnp.zeros_like(g))
-            cfg = [(s, f - l, st - 1)
-                   for s, l, f, st in zip(start, limit, full, p["window_strides"])]
+            cfg = [
+                (s, f - l, st - 1) for s, l, f, st in zip(start, limit, full, p["window_strides"])
+            ]
             ct = ct + lax.pad(part, zero, cfg)
     # Drop the padding (negative pads crop), then the base-dilation holes.
     ct = lax.pad(ct, zero, [(-lo, -hi, 0) for lo, hi in p["padding"]])
@@ -239,8 +285,12 @@ def _chooser_rule(name, identity):
     def avals(p, in_avals, out_avals, active):
         return [jax.ShapeDtypeStruct(out_avals[0].shape, _choice_dtype(p))]
 
-    defvjp(name, ("a0", lambda g, r, p: _chosen_ct(g, r.aux[0], r.in_avals[0].shape, p)),
-           derive=derive, aux_avals=avals)
+    defvjp(
+        name,
+        ("a0", lambda g, r, p: _chosen_ct(g, r.aux[0], r.in_avals[0].shape, p)),
+        derive=derive,
+        aux_avals=avals,
+    )
 
 
 _chooser_rule("reduce_window_max", -np.inf)
@@ -249,6 +299,7 @@ _chooser_rule("reduce_window_min", np.inf)
 
 # ---------------------------------------------------------------------------
 # The generic reduce_window: a single add/max/min computation, any init value.
+
 
 def _generic_kind(p, n_inputs):
     """'add' / 'max' / 'min' when the window computation is that one primitive
@@ -263,8 +314,11 @@ def _generic_kind(p, n_inputs):
     name = eqn.primitive.name
     if name not in ("add", "max", "min"):
         return None
-    if (set(map(id, eqn.invars)) != set(map(id, jaxpr.invars)) or len(jaxpr.invars) != 2
-            or list(map(id, eqn.outvars)) != list(map(id, jaxpr.outvars))):
+    if (
+        set(map(id, eqn.invars)) != set(map(id, jaxpr.invars))
+        or len(jaxpr.invars) != 2
+        or list(map(id, eqn.outvars)) != list(map(id, jaxpr.outvars))
+    ):
         return None
     return name
 
@@ -299,7 +353,8 @@ def _generic_vjp(p, r, cts, active):
     if active[1]:
         raise NotImplementedError(
             "reduce_window: differentiating with respect to the init value is not supported "
-            "(jax does not support it either); pass it as a constant.")
+            "(jax does not support it either); pass it as a constant."
+        )
     g = cts[0]
     if not active[0] or g is None:
         return [None, None]
@@ -309,5 +364,12 @@ def _generic_vjp(p, r, cts, active):
     return [_chosen_ct(g, r.aux[0], shape, p), None]
 
 
-defrule(Rule("reduce_window", _generic_saves, _generic_vjp, derive=_generic_derive,
-             aux_avals=_generic_avals))
+defrule(
+    Rule(
+        "reduce_window",
+        _generic_saves,
+        _generic_vjp,
+        derive=_generic_derive,
+        aux_avals=_generic_avals,
+    )
+)

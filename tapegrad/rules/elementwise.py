@@ -23,16 +23,18 @@ deflinear("sub", lambda g, r, p: g, lambda g, r, p: -g)
 deflinear("convert_element_type", lambda g, r, p: g)  # the interpreter casts to the input dtype
 deflinear("copy", lambda g, r, p: g)
 deflinear("copy_p", lambda g, r, p: g)
-deflinear("reduce_precision", lambda g, r, p: lax.reduce_precision(
-    g, exponent_bits=p["exponent_bits"], mantissa_bits=p["mantissa_bits"]))
+deflinear(
+    "reduce_precision",
+    lambda g, r, p: lax.reduce_precision(
+        g, exponent_bits=p["exponent_bits"], mantissa_bits=p["mantissa_bits"]
+    ),
+)
 deflinear("real", lambda g, r, p: lax.complex(g, jnp.zeros_like(g)))
 deflinear("conj", lambda g, r, p: jnp.conj(g))
 
 # Products and quotients.
-defvjp("mul", ("x1", lambda g, r, p: g * r.x[1]),
-              ("x0", lambda g, r, p: g * r.x[0]))
-defvjp("div", ("x1", lambda g, r, p: g / r.x[1]),
-              ("y0 x1", lambda g, r, p: -g * r.y[0] / r.x[1]))
+defvjp("mul", ("x1", lambda g, r, p: g * r.x[1]), ("x0", lambda g, r, p: g * r.x[0]))
+defvjp("div", ("x1", lambda g, r, p: g / r.x[1]), ("y0 x1", lambda g, r, p: -g * r.y[0] / r.x[1]))
 
 
 def _balanced(a, ans, b):
@@ -40,10 +42,16 @@ def _balanced(a, ans, b):
     return jnp.where(a == ans, jnp.where(b == ans, 0.5, 1.0), 0.0).astype(ans.dtype)
 
 
-defvjp("max", ("x0 x1", lambda g, r, p: g * _balanced(r.x[0], jnp.maximum(r.x[0], r.x[1]), r.x[1])),
-              ("x0 x1", lambda g, r, p: g * _balanced(r.x[1], jnp.maximum(r.x[0], r.x[1]), r.x[0])))
-defvjp("min", ("x0 x1", lambda g, r, p: g * _balanced(r.x[0], jnp.minimum(r.x[0], r.x[1]), r.x[1])),
-              ("x0 x1", lambda g, r, p: g * _balanced(r.x[1], jnp.minimum(r.x[0], r.x[1]), r.x[0])))
+defvjp(
+    "max",
+    ("x0 x1", lambda g, r, p: g * _balanced(r.x[0], jnp.maximum(r.x[0], r.x[1]), r.x[1])),
+    ("x0 x1", lambda g, r, p: g * _balanced(r.x[1], jnp.maximum(r.x[0], r.x[1]), r.x[0])),
+)
+defvjp(
+    "min",
+    ("x0 x1", lambda g, r, p: g * _balanced(r.x[0], jnp.minimum(r.x[0], r.x[1]), r.x[1])),
+    ("x0 x1", lambda g, r, p: g * _balanced(r.x[1], jnp.minimum(r.x[0], r.x[1]), r.x[0])),
+)
 
 
 def _pow_dx(g, r, p):
@@ -92,8 +100,11 @@ defvjp("tan", ("y0", lambda g, r, p: g * (1 + r.y[0] * r.y[0])))
 defvjp("asin", ("x0", lambda g, r, p: g * lax.rsqrt(1 - r.x[0] * r.x[0])))
 defvjp("acos", ("x0", lambda g, r, p: -g * lax.rsqrt(1 - r.x[0] * r.x[0])))
 defvjp("atan", ("x0", lambda g, r, p: g / (1 + r.x[0] * r.x[0])))
-defvjp("atan2", ("x0 x1", lambda g, r, p: g * r.x[1] / (r.x[0] * r.x[0] + r.x[1] * r.x[1])),
-                ("x0 x1", lambda g, r, p: -g * r.x[0] / (r.x[0] * r.x[0] + r.x[1] * r.x[1])))
+defvjp(
+    "atan2",
+    ("x0 x1", lambda g, r, p: g * r.x[1] / (r.x[0] * r.x[0] + r.x[1] * r.x[1])),
+    ("x0 x1", lambda g, r, p: -g * r.x[0] / (r.x[0] * r.x[0] + r.x[1] * r.x[1])),
+)
 defvjp("sinh", ("x0", lambda g, r, p: g * jnp.cosh(r.x[0])))
 defvjp("cosh", ("x0", lambda g, r, p: g * jnp.sinh(r.x[0])))
 defvjp("asinh", ("x0", lambda g, r, p: g * lax.rsqrt(r.x[0] * r.x[0] + 1)))
@@ -137,6 +148,7 @@ def _select_case(i):
         else:
             take = which == i
         return jnp.where(take, g, jnp.zeros((), g.dtype))
+
     return ("x0", ct)
 
 
@@ -148,9 +160,36 @@ _select_n(*[_select_case(i) for i in range(16)])
 
 # No cotangent: rounding, sign, comparisons, integer and bit ops, RNG.
 defnondiff(
-    "sign", "floor", "ceil", "round", "is_finite", "stop_gradient", "nextafter",
-    "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor",
-    "shift_left", "shift_right_logical", "shift_right_arithmetic", "population_count",
-    "clz", "rem_int", "argmax", "argmin", "iota", "random_bits", "random_seed",
-    "random_wrap", "random_unwrap", "threefry2x32", "bitcast_convert_type",
+    "sign",
+    "floor",
+    "ceil",
+    "round",
+    "is_finite",
+    "stop_gradient",
+    "nextafter",
+    "eq",
+    "ne",
+    "lt",
+    "le",
+    "gt",
+    "ge",
+    "and",
+    "or",
+    "not",
+    "xor",
+    "shift_left",
+    "shift_right_logical",
+    "shift_right_arithmetic",
+    "population_count",
+    "clz",
+    "rem_int",
+    "argmax",
+    "argmin",
+    "iota",
+    "random_bits",
+    "random_seed",
+    "random_wrap",
+    "random_unwrap",
+    "threefry2x32",
+    "bitcast_convert_type",
 )

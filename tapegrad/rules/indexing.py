@@ -29,8 +29,8 @@ itself traceable and differentiable.
 
 from __future__ import annotations
 
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from tapegrad.rules._registry import Rule, deflinear, defrule
@@ -66,10 +66,13 @@ def _slice_ct(g, r, p):
         pads = [(int(s), int(n - l), 0) for s, l, n in zip(start, limit, in_shape)]
     else:
         # The last element a strided slice reads is start + (n_out - 1) * stride.
-        real_limits = [s if o == 0 else s + 1 + (o - 1) * st
-                       for s, o, st in zip(start, out_shape, strides)]
-        pads = [(int(s), int(n - l), int(st - 1))
-                for s, l, n, st in zip(start, real_limits, in_shape, strides)]
+        real_limits = [
+            s if o == 0 else s + 1 + (o - 1) * st for s, o, st in zip(start, out_shape, strides)
+        ]
+        pads = [
+            (int(s), int(n - l), int(st - 1))
+            for s, l, n, st in zip(start, real_limits, in_shape, strides)
+        ]
     return lax.pad(g, _zero_scalar(g), pads)
 
 
@@ -77,6 +80,7 @@ deflinear("slice", _slice_ct)
 
 
 # --------------------------------------------------------------------------- dynamic slices
+
 
 def _ds_saves(p, ins, outs, active):
     return _refs(*range(1, len(ins))) if active[0] else ()
@@ -118,6 +122,7 @@ defrule(Rule("dynamic_update_slice", _dus_saves, _dus_vjp))
 
 # --------------------------------------------------------------------------- concatenate, split
 
+
 def _no_saves(p, ins, outs, active):
     return ()
 
@@ -150,6 +155,7 @@ defrule(Rule("split", _no_saves, _split_vjp))
 
 # --------------------------------------------------------------------------- pad
 
+
 def _pad_operand_ct(g, config):
     lo, hi, interior = zip(*config)
     unpadded = lax.pad(g, _zero_scalar(g), [(-int(a), -int(b), 0) for a, b in zip(lo, hi)])
@@ -170,6 +176,7 @@ defrule(Rule("pad", _no_saves, _pad_vjp))
 
 
 # --------------------------------------------------------------------------- gather / scatter
+
 
 def _scatter_dnums_of_gather(dn) -> lax.ScatterDimensionNumbers:
     return lax.ScatterDimensionNumbers(
@@ -206,18 +213,29 @@ def _inverse_slice_sizes(dn, operand_shape, updates_shape) -> tuple[int, ...]:
 def _gather_back(t, indices, p, operand_shape, updates_shape, mode=None):
     """The transpose of scatter-add w.r.t. ``updates``: gather ``t`` at the windows."""
     dn = p["dimension_numbers"]
-    return lax.gather(t, indices, _gather_dnums_of_scatter(dn),
-                      _inverse_slice_sizes(dn, operand_shape, updates_shape),
-                      indices_are_sorted=p["indices_are_sorted"],
-                      unique_indices=p["unique_indices"],
-                      mode=p["mode"] if mode is None else mode, fill_value=0)
+    return lax.gather(
+        t,
+        indices,
+        _gather_dnums_of_scatter(dn),
+        _inverse_slice_sizes(dn, operand_shape, updates_shape),
+        indices_are_sorted=p["indices_are_sorted"],
+        unique_indices=p["unique_indices"],
+        mode=p["mode"] if mode is None else mode,
+        fill_value=0,
+    )
 
 
 def _gather_ct(g, r, p):
     zeros = _zeros(r.in_avals[0].shape, g.dtype)
-    return lax.scatter_add(zeros, r.x[1], g, _scatter_dnums_of_gather(p["dimension_numbers"]),
-                           indices_are_sorted=p["indices_are_sorted"],
-                           unique_indices=p["unique_indices"], mode=p["mode"])
+    return lax.scatter_add(
+        zeros,
+        r.x[1],
+        g,
+        _scatter_dnums_of_gather(p["dimension_numbers"]),
+        indices_are_sorted=p["indices_are_sorted"],
+        unique_indices=p["unique_indices"],
+        mode=p["mode"],
+    )
 
 
 def _gather_saves(p, ins, outs, active):
@@ -245,6 +263,7 @@ def _scatter_addsub(sign):
             if sign < 0:
                 upd_ct = -upd_ct
         return [op_ct, None, upd_ct]
+
     return vjp
 
 
@@ -275,9 +294,15 @@ def _scatter_vjp(p, r, cts, active):
     op_ct = upd_ct = None
     if p["unique_indices"]:
         if active[0]:
-            op_ct = lax.scatter(g, idx, _zeros(upd_shape, g.dtype), dn,
-                                indices_are_sorted=p["indices_are_sorted"],
-                                unique_indices=True, mode=p["mode"])
+            op_ct = lax.scatter(
+                g,
+                idx,
+                _zeros(upd_shape, g.dtype),
+                dn,
+                indices_are_sorted=p["indices_are_sorted"],
+                unique_indices=True,
+                mode=p["mode"],
+            )
         if active[2]:
             upd_ct = _gather_back(g, idx, p, op_shape, upd_shape)
         return [op_ct, None, upd_ct]
@@ -288,22 +313,36 @@ def _scatter_vjp(p, r, cts, active):
     num_ids = int(np.prod(ids_shape, dtype=np.int64))
     id_dtype = jnp.int64 if num_ids >= np.iinfo(np.int32).max else jnp.int32
     update_ids = lax.broadcast_in_dim(
-        lax.iota(id_dtype, num_ids).reshape(ids_shape) + 1, tuple(upd_shape),
-        tuple(range(len(upd_shape))))
-    scattered_ids = lax.scatter(_zeros(op_shape, id_dtype), idx, update_ids, dn,
-                                indices_are_sorted=p["indices_are_sorted"],
-                                unique_indices=False, mode=p["mode"])
+        lax.iota(id_dtype, num_ids).reshape(ids_shape) + 1,
+        tuple(upd_shape),
+        tuple(range(len(upd_shape))),
+    )
+    scattered_ids = lax.scatter(
+        _zeros(op_shape, id_dtype),
+        idx,
+        update_ids,
+        dn,
+        indices_are_sorted=p["indices_are_sorted"],
+        unique_indices=False,
+        mode=p["mode"],
+    )
     zero = _zero_scalar(g)
     if active[0]:
         op_ct = jnp.where(scattered_ids == 0, g, zero)
     if active[2]:
         # jax reads the ids back with gather's default mode, whatever the
         # scatter's mode was: a dropped update never finds its own id.
-        back_ids = lax.gather(scattered_ids, idx, _gather_dnums_of_scatter(dn),
-                              _inverse_slice_sizes(dn, op_shape, upd_shape),
-                              indices_are_sorted=p["indices_are_sorted"], mode=_PROMISE)
-        upd_ct = jnp.where(update_ids == back_ids,
-                           _gather_back(g, idx, p, op_shape, upd_shape), zero)
+        back_ids = lax.gather(
+            scattered_ids,
+            idx,
+            _gather_dnums_of_scatter(dn),
+            _inverse_slice_sizes(dn, op_shape, upd_shape),
+            indices_are_sorted=p["indices_are_sorted"],
+            mode=_PROMISE,
+        )
+        upd_ct = jnp.where(
+            update_ids == back_ids, _gather_back(g, idx, p, op_shape, upd_shape), zero
+        )
     return [op_ct, None, upd_ct]
 
 
@@ -325,16 +364,23 @@ def _scatter_mul_vjp(p, r, cts, active):
     dn = p["dimension_numbers"]
     op_ct = upd_ct = None
     if active[0]:
-        op_ct = lax.scatter_mul(g, idx, r.x[2].astype(g.dtype), dn,
-                                indices_are_sorted=p["indices_are_sorted"],
-                                unique_indices=p["unique_indices"], mode=p["mode"])
+        op_ct = lax.scatter_mul(
+            g,
+            idx,
+            r.x[2].astype(g.dtype),
+            dn,
+            indices_are_sorted=p["indices_are_sorted"],
+            unique_indices=p["unique_indices"],
+            mode=p["mode"],
+        )
     if active[2]:
         if not p["unique_indices"]:
             raise NotImplementedError(
-                "scatter_mul gradients are only implemented if `unique_indices=True` "
-                "(as in jax)")
-        upd_ct = _gather_back(g * r.x[0].astype(g.dtype), idx, p,
-                              r.in_avals[0].shape, r.in_avals[2].shape)
+                "scatter_mul gradients are only implemented if `unique_indices=True` (as in jax)"
+            )
+        upd_ct = _gather_back(
+            g * r.x[0].astype(g.dtype), idx, p, r.in_avals[0].shape, r.in_avals[2].shape
+        )
     return [op_ct, None, upd_ct]
 
 
@@ -380,8 +426,9 @@ def _scatter_extremal_vjp(p, r, cts, active):
     op_ct = upd_ct = None
     if active[0]:
         # the transpose of gather_default
-        op_ct = g + lax.scatter_add(jnp.zeros(op_shape, g.dtype), idx, ct_tu * op_coef, dn,
-                                    mode=_PROMISE)
+        op_ct = g + lax.scatter_add(
+            jnp.zeros(op_shape, g.dtype), idx, ct_tu * op_coef, dn, mode=_PROMISE
+        )
     if active[2]:
         upd_ct = ct_tu * upd_coef
     return [op_ct, None, upd_ct]
@@ -392,6 +439,7 @@ defrule(Rule("scatter-max", _scatter_extremal_saves, _scatter_extremal_vjp))
 
 
 # --------------------------------------------------------------------------- select_and_gather_add
+
 
 def _sga_saves(p, ins, outs, active):
     return _refs(1) if active[0] else ()
@@ -408,7 +456,8 @@ def _sga_vjp(p, r, cts, active):
     if any(d != 1 for d in p["window_dilation"]):
         raise NotImplementedError(
             "VJP not implemented for select_and_gather (MaxPool) with window dilation, got "
-            f"window_dilation={p['window_dilation']}.")
+            f"window_dilation={p['window_dilation']}."
+        )
     base_dilation = p["base_dilation"]
     dilated = any(d != 1 for d in base_dilation)
     if dilated:
@@ -419,9 +468,13 @@ def _sga_vjp(p, r, cts, active):
             ident = np.inf if jnp.issubdtype(dt, jnp.inexact) else np.iinfo(dt).max
         operand = lax.pad(operand, np.array(ident, dt), tuple((0, 0, d - 1) for d in base_dilation))
     out = lax.select_and_scatter_add_p.bind(
-        g, operand, select_prim=p["select_prim"],
+        g,
+        operand,
+        select_prim=p["select_prim"],
         window_dimensions=tuple(p["window_dimensions"]),
-        window_strides=tuple(p["window_strides"]), padding=tuple(p["padding"]))
+        window_strides=tuple(p["window_strides"]),
+        padding=tuple(p["padding"]),
+    )
     if dilated:
         out = lax.slice(out, (0,) * out.ndim, out.shape, tuple(base_dilation))
     return [out, None]
@@ -431,6 +484,7 @@ defrule(Rule("select_and_gather_add", _sga_saves, _sga_vjp))
 
 
 # --------------------------------------------------------------------------- stack, unstack
+
 
 def _stack_vjp(p, r, cts, active):
     parts = lax.unstack(cts[0], p["axis"])

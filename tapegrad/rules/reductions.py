@@ -67,6 +67,7 @@ def _scalar(v, dtype):
 # ---------------------------------------------------------------------------
 # reduce_max / reduce_min: cotangent split equally among the tied extrema.
 
+
 def _chooser_derive(rec, ins):
     (y,) = _bind(rec, ins)
     x = ins[0]
@@ -91,6 +92,7 @@ for _name in ("reduce_max", "reduce_min"):
 
 # ---------------------------------------------------------------------------
 # reduce_prod: d/dx_i = product of the other elements, zero-safe.
+
 
 def _shift(x, axis, toward_end, fill):
     """Shift ``x`` by one along ``axis``: position i gets x[i-1] (``toward_end``)
@@ -128,6 +130,7 @@ defvjp("reduce_prod", ("x0", _prod_ct))
 
 # ---------------------------------------------------------------------------
 # Cumulative reductions.
+
 
 def _compose(inner, outer):
     # (outer o inner)(s) for affine maps s -> a*s + b.
@@ -213,6 +216,7 @@ for _name in ("cummax", "cummin"):
 # ---------------------------------------------------------------------------
 # sort: scatter each float operand's cotangent back through the permutation.
 
+
 def _is_float(dtype):
     return jnp.issubdtype(dtype, jnp.inexact)
 
@@ -241,10 +245,21 @@ def _sort_saves(p, in_avals, out_avals, active):
 def _unsort(g, perm, dim):
     others = _kept(g.ndim, (dim,))
     dn = lax.ScatterDimensionNumbers(
-        update_window_dims=(), inserted_window_dims=(dim,), scatter_dims_to_operand_dims=(dim,),
-        operand_batching_dims=others, scatter_indices_batching_dims=others)
-    return lax.scatter_add(jnp.zeros_like(g), perm[..., None], g, dn, indices_are_sorted=False,
-                           unique_indices=True, mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+        update_window_dims=(),
+        inserted_window_dims=(dim,),
+        scatter_dims_to_operand_dims=(dim,),
+        operand_batching_dims=others,
+        scatter_indices_batching_dims=others,
+    )
+    return lax.scatter_add(
+        jnp.zeros_like(g),
+        perm[..., None],
+        g,
+        dn,
+        indices_are_sorted=False,
+        unique_indices=True,
+        mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS,
+    )
 
 
 def _sort_vjp(p, r, cts, active):

@@ -14,11 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import assert_grads_match, assert_vjp_match, enable_x64, rand
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 import tapegrad as tg
-from conftest import assert_grads_match, assert_vjp_match, enable_x64, rand
 
 DTYPES = ["float32", "float64"]
 
@@ -39,17 +39,19 @@ def test_cond(dtype):
     w = rand((4,), dtype, -1, 1, seed=2)
 
     def f(x, w, flip):
-        return jnp.sum(lax.cond(flip > 0, lambda a, b: jnp.sin(a) * b,
-                                lambda a, b: jnp.exp(a) + b * b, x, w))
+        return jnp.sum(
+            lax.cond(flip > 0, lambda a, b: jnp.sin(a) * b, lambda a, b: jnp.exp(a) + b * b, x, w)
+        )
 
     for flip in (1.0, -1.0):
         assert_grads_match(f, x, w, jnp.asarray(flip, dtype), argnums=(0, 1))
     # Predicate computed from the differentiated input itself.
-    g = lambda x: jnp.sum(lax.cond(jnp.sum(x) > 0, jnp.tanh, lambda z: z ** 3, x))
+    g = lambda x: jnp.sum(lax.cond(jnp.sum(x) > 0, jnp.tanh, lambda z: z**3, x))
     assert_grads_match(g, x)
     assert_grads_match(g, -x)
-    assert_vjp_match(lambda x, w: lax.cond(True, lambda: (x * w, jnp.sin(w)),
-                                           lambda: (x, w)), x, w, seed=3)
+    assert_vjp_match(
+        lambda x, w: lax.cond(True, lambda: (x * w, jnp.sin(w)), lambda: (x, w)), x, w, seed=3
+    )
 
 
 def test_cond_with_pytree_operands_and_closure(dtype):
@@ -57,8 +59,9 @@ def test_cond_with_pytree_operands_and_closure(dtype):
     c = rand((3,), dtype, -1, 1, seed=6)  # closed over: a constant of the branches
 
     def f(p, pred):
-        out = lax.cond(pred, lambda q: {"y": q["a"] * q["b"][0] * c},
-                       lambda q: {"y": jnp.cos(q["a"]) + c}, p)
+        out = lax.cond(
+            pred, lambda q: {"y": q["a"] * q["b"][0] * c}, lambda q: {"y": jnp.cos(q["a"]) + c}, p
+        )
         return jnp.sum(out["y"] ** 2)
 
     assert_grads_match(f, p, True)
@@ -91,7 +94,7 @@ def test_scan_pytree_carry_and_xs(dtype):
             return (h, s), h * s
 
         (h, s), ys = lax.scan(step, c0, xs)
-        return jnp.sum(ys) + s + jnp.sum(h ** 2)
+        return jnp.sum(ys) + s + jnp.sum(h**2)
 
     assert_grads_match(f, c0, xs, w, argnums=(0, 1, 2))
 
@@ -100,15 +103,17 @@ def test_scan_pytree_carry_and_xs(dtype):
 def test_scan_reverse_unroll(reverse, unroll):
     with enable_x64():
         xs = rand((6, 2), "float64", -1, 1, seed=13)
-        f = lambda c, xs: jnp.sum(lax.scan(lambda c, x: (jnp.sin(c * x), c + x), c, xs,
-                                           reverse=reverse, unroll=unroll)[1])
+        f = lambda c, xs: jnp.sum(
+            lax.scan(lambda c, x: (jnp.sin(c * x), c + x), c, xs, reverse=reverse, unroll=unroll)[1]
+        )
         assert_grads_match(f, jnp.ones(2), xs, argnums=(0, 1))
 
 
 def test_scan_without_xs():
     with enable_x64():
-        f = lambda c: jnp.sum(lax.scan(lambda c, _: (c * 1.1 + jnp.sin(c), None), c, None,
-                                       length=4)[0])
+        f = lambda c: jnp.sum(
+            lax.scan(lambda c, _: (c * 1.1 + jnp.sin(c), None), c, None, length=4)[0]
+        )
         assert_grads_match(f, rand((3,), "float64", -1, 1, seed=14))
 
 
@@ -191,12 +196,16 @@ def test_checkpoint(dtype):
     assert_vjp_match(body, x, w, seed=20)
 
 
-@pytest.mark.parametrize("policy", [
-    jax.checkpoint_policies.dots_saveable,
-    jax.checkpoint_policies.nothing_saveable,
-    jax.checkpoint_policies.everything_saveable,
-    jax.checkpoint_policies.save_only_these_names("h"),
-], ids=["dots_saveable", "nothing_saveable", "everything_saveable", "names"])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        jax.checkpoint_policies.dots_saveable,
+        jax.checkpoint_policies.nothing_saveable,
+        jax.checkpoint_policies.everything_saveable,
+        jax.checkpoint_policies.save_only_these_names("h"),
+    ],
+    ids=["dots_saveable", "nothing_saveable", "everything_saveable", "names"],
+)
 def test_checkpoint_policies(policy):
     with enable_x64():
         x = rand((3, 4), "float64", -1, 1, seed=21)
@@ -214,6 +223,7 @@ def test_checkpoint_policies(policy):
 
 def test_checkpoint_static_argnums():
     with enable_x64():
+
         @functools.partial(jax.checkpoint, static_argnums=(1,))
         def f(x, n):
             for _ in range(n):
@@ -251,8 +261,10 @@ def two_in(x, y):
     return x * y
 
 
-two_in.defjvps(lambda t, ans, x, y: t * 10.0 * y,  # not d(xy)/dx = y
-               lambda t, ans, x, y: t * jnp.cos(x))
+two_in.defjvps(
+    lambda t, ans, x, y: t * 10.0 * y,  # not d(xy)/dx = y
+    lambda t, ans, x, y: t * jnp.cos(x),
+)
 
 
 def test_custom_jvp_uses_the_custom_rule(dtype):
@@ -293,13 +305,33 @@ def test_relu_at_zero(dtype):
     np.testing.assert_array_equal(g, [0.0, 0.0, 3.0, 0.0])  # jax: relu'(0) = 0
 
 
-@pytest.mark.parametrize("fn", [
-    jax.nn.softplus, jax.nn.silu, jax.nn.elu, jax.nn.leaky_relu, jax.nn.relu6,
-    jax.nn.log_sigmoid, jax.nn.celu, jax.nn.selu,
-    functools.partial(jax.nn.gelu, approximate=True),
-    functools.partial(jax.nn.gelu, approximate=False),
-], ids=["softplus", "silu", "elu", "leaky_relu", "relu6", "log_sigmoid", "celu", "selu",
-        "gelu_tanh", "gelu_erf"])
+@pytest.mark.parametrize(
+    "fn",
+    [
+        jax.nn.softplus,
+        jax.nn.silu,
+        jax.nn.elu,
+        jax.nn.leaky_relu,
+        jax.nn.relu6,
+        jax.nn.log_sigmoid,
+        jax.nn.celu,
+        jax.nn.selu,
+        functools.partial(jax.nn.gelu, approximate=True),
+        functools.partial(jax.nn.gelu, approximate=False),
+    ],
+    ids=[
+        "softplus",
+        "silu",
+        "elu",
+        "leaky_relu",
+        "relu6",
+        "log_sigmoid",
+        "celu",
+        "selu",
+        "gelu_tanh",
+        "gelu_erf",
+    ],
+)
 def test_activations(dtype, fn):
     x = jnp.concatenate([rand((7,), dtype, -4, 4, seed=31), jnp.asarray([0.0, 6.0, -30.0], dtype)])
     c = rand((10,), dtype, -1, 1, seed=32)
@@ -314,8 +346,9 @@ def test_logsumexp(dtype, axis):
     f = lambda x: jnp.sum(jax.scipy.special.logsumexp(x, axis=axis) * c)
     assert_grads_match(f, x)
     b = rand((3, 4), dtype, 0.1, 1, seed=35)
-    assert_grads_match(lambda x, b: jnp.sum(jax.scipy.special.logsumexp(x, axis=axis, b=b)),
-                       x, b, argnums=(0, 1))
+    assert_grads_match(
+        lambda x, b: jnp.sum(jax.scipy.special.logsumexp(x, axis=axis, b=b)), x, b, argnums=(0, 1)
+    )
 
 
 def test_softmax_and_log_softmax(dtype):
@@ -393,7 +426,7 @@ several.defvjp(_several_fwd, _several_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 2))
 def scaled_pow(n, x, scale):
-    return scale * x ** n
+    return scale * x**n
 
 
 def _sp_fwd(n, x, scale):
@@ -412,8 +445,9 @@ def with_none_ct(x, y):
     return x * jnp.sum(y)
 
 
-with_none_ct.defvjp(lambda x, y: (with_none_ct(x, y), (y,)),
-                    lambda res, g: (g * jnp.sum(res[0]), None))  # y gets a zero cotangent
+with_none_ct.defvjp(
+    lambda x, y: (with_none_ct(x, y), (y,)), lambda res, g: (g * jnp.sum(res[0]), None)
+)  # y gets a zero cotangent
 
 
 def test_custom_vjp_simple(dtype):
@@ -430,7 +464,7 @@ def test_custom_vjp_several_inputs_outputs(dtype):
 
     def f(x, y, z):
         a, b = several(x, y, z)
-        return jnp.sum(a ** 2) + b * 0.5
+        return jnp.sum(a**2) + b * 0.5
 
     assert_grads_match(f, x, y, z, argnums=(0, 1, 2))
     assert_vjp_match(several, x, y, z, seed=44)
@@ -452,7 +486,7 @@ def test_custom_vjp_nondiff_argnums(dtype):
     f = lambda x: jnp.sum(scaled_pow(3, jnp.tanh(x), scale))
     g = assert_grads_match(f, x)
     t = np.tanh(np.asarray(x, np.float64))
-    np.testing.assert_allclose(g, (scale * 3 * t ** 2 + 1.0) * (1 - t ** 2), rtol=1e-5)
+    np.testing.assert_allclose(g, (scale * 3 * t**2 + 1.0) * (1 - t**2), rtol=1e-5)
 
 
 def test_custom_vjp_none_cotangent(dtype):
@@ -511,8 +545,13 @@ def _dict_in(d):
 # Residuals hold None, a Python int and the (pytree) input itself.
 _dict_in.defvjp(
     lambda d: (_dict_in(d), (None, d, 3)),
-    lambda r, g: ({"a": g * jnp.cos(r[1]["a"]) * r[1]["b"] * r[2],
-                   "b": jnp.sum(g * jnp.sin(r[1]["a"]), axis=0)},))
+    lambda r, g: (
+        {
+            "a": g * jnp.cos(r[1]["a"]) * r[1]["b"] * r[2],
+            "b": jnp.sum(g * jnp.sin(r[1]["a"]), axis=0),
+        },
+    ),
+)
 
 
 @jax.custom_vjp
@@ -534,19 +573,27 @@ COMBOS = {
     "custom_vjp_pytree_in_odd_residuals": lambda x, y: jnp.sum(_dict_in({"a": x, "b": y})),
     "custom_vjp_output_as_residual": lambda x, y: jnp.sum(_out_as_res(x) * y),
     "custom_vjp_int_in_and_out": lambda x, y: jnp.sum(_with_int(x, jnp.int32(3))[0] * y),
-    "custom_vjp_in_scan": lambda x, y: jnp.sum(lax.scan(
-        lambda c, _: (_out_as_res(c) * 0.1 + y, None), x, None, length=3)[0]),
-    "custom_jvp_in_cond": lambda x, y: jnp.sum(lax.cond(
-        True, lambda a: odd_sin(a) * y, jnp.sin, x)),
-    "checkpoint_in_scan": lambda x, y: jnp.sum(lax.scan(jax.checkpoint(
-        lambda c, yy: (jnp.sin(c) * yy, c)), x, jnp.stack([y, y, y]))[1]),
-    "scan_in_checkpoint": lambda x, y: jnp.sum(jax.checkpoint(lambda x: lax.scan(
-        lambda c, _: (jnp.sin(c) * 1.1 + y, c), x, None, length=3)[1])(x)),
-    "cond_in_jit": lambda x, y: jnp.sum(jax.jit(lambda x: lax.cond(
-        x[0, 0] > 0, jnp.sin, jnp.cos, x))(x) * y),
+    "custom_vjp_in_scan": lambda x, y: jnp.sum(
+        lax.scan(lambda c, _: (_out_as_res(c) * 0.1 + y, None), x, None, length=3)[0]
+    ),
+    "custom_jvp_in_cond": lambda x, y: jnp.sum(
+        lax.cond(True, lambda a: odd_sin(a) * y, jnp.sin, x)
+    ),
+    "checkpoint_in_scan": lambda x, y: jnp.sum(
+        lax.scan(jax.checkpoint(lambda c, yy: (jnp.sin(c) * yy, c)), x, jnp.stack([y, y, y]))[1]
+    ),
+    "scan_in_checkpoint": lambda x, y: jnp.sum(
+        jax.checkpoint(
+            lambda x: lax.scan(lambda c, _: (jnp.sin(c) * 1.1 + y, c), x, None, length=3)[1]
+        )(x)
+    ),
+    "cond_in_jit": lambda x, y: jnp.sum(
+        jax.jit(lambda x: lax.cond(x[0, 0] > 0, jnp.sin, jnp.cos, x))(x) * y
+    ),
     "vmap_inside": lambda x, y: jnp.sum(jax.vmap(lambda r: jnp.tanh(r * y) @ y)(x)),
-    "grad_of_jax_grad": lambda x, y: jnp.sum(jax.grad(
-        lambda z: jnp.sum(jnp.tanh(z) * jnp.sin(z) * y))(x) ** 2),
+    "grad_of_jax_grad": lambda x, y: jnp.sum(
+        jax.grad(lambda z: jnp.sum(jnp.tanh(z) * jnp.sin(z) * y))(x) ** 2
+    ),
 }
 
 

@@ -11,12 +11,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import (
+    assert_grads_match,
+    assert_trees_close,
+    assert_value_and_grad_match,
+    assert_vjp_match,
+    enable_x64,
+    rand,
+)
 from jax import lax
 from jax.flatten_util import ravel_pytree
 
 import tapegrad as tg
-from conftest import (assert_grads_match, assert_trees_close, assert_value_and_grad_match,
-                      assert_vjp_match, enable_x64, rand)
 
 DTYPES = ["float32", "float64"]
 
@@ -31,8 +37,10 @@ def _normal(key, shape, dtype, scale=1.0):
 
 def init_mlp(sizes, dtype, seed=0):
     keys = jax.random.split(jax.random.PRNGKey(seed), len(sizes) - 1)
-    return [{"w": _normal(k, (m, n), dtype, 1 / np.sqrt(m)), "b": jnp.full((n,), 0.1, dtype)}
-            for k, m, n in zip(keys, sizes[:-1], sizes[1:])]
+    return [
+        {"w": _normal(k, (m, n), dtype, 1 / np.sqrt(m)), "b": jnp.full((n,), 0.1, dtype)}
+        for k, m, n in zip(keys, sizes[:-1], sizes[1:])
+    ]
 
 
 def mlp(params, x):
@@ -97,10 +105,16 @@ def init_block(d, dtype, seed=0):
     s = 1 / np.sqrt(d)
     return {
         "ln1": (1 + _normal(ks[0], (d,), dtype, 0.1), _normal(ks[1], (d,), dtype, 0.1)),
-        "attn": {n: _normal(k, (d, d), dtype, s) for n, k in zip(["wq", "wk", "wv", "wo"], ks[2:6])},
+        "attn": {
+            n: _normal(k, (d, d), dtype, s) for n, k in zip(["wq", "wk", "wv", "wo"], ks[2:6])
+        },
         "ln2": (jnp.ones((d,), dtype), jnp.zeros((d,), dtype)),
-        "mlp": {"w1": _normal(ks[6], (d, 2 * d), dtype, s), "b1": jnp.zeros((2 * d,), dtype),
-                "w2": _normal(ks[7], (2 * d, d), dtype, s), "b2": jnp.zeros((d,), dtype)},
+        "mlp": {
+            "w1": _normal(ks[6], (d, 2 * d), dtype, s),
+            "b1": jnp.zeros((2 * d,), dtype),
+            "w2": _normal(ks[7], (2 * d, d), dtype, s),
+            "b2": jnp.zeros((d,), dtype),
+        },
     }
 
 
@@ -124,11 +138,21 @@ def test_transformer_block(dtype, approximate):
 
 
 def convnet(p, x):  # x: NHWC
-    y = lax.conv_general_dilated(x, p["k1"], window_strides=(1, 1), padding="SAME",
-                                 dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    y = lax.conv_general_dilated(
+        x,
+        p["k1"],
+        window_strides=(1, 1),
+        padding="SAME",
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+    )
     y = jax.nn.relu(y + p["b1"])
-    y = lax.conv_general_dilated(y, p["k2"], window_strides=(2, 2), padding="VALID",
-                                 dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    y = lax.conv_general_dilated(
+        y,
+        p["k2"],
+        window_strides=(2, 2),
+        padding="VALID",
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+    )
     y = jax.nn.relu(y)
     n, h, w, c = y.shape
     y = y.reshape(n, h // 2, 2, w // 2, 2, c).mean(axis=(2, 4))
@@ -139,13 +163,20 @@ def convnet(p, x):  # x: NHWC
 def test_convnet(dtype):
     with enable_x64(dtype == "float64"):
         ks = jax.random.split(jax.random.PRNGKey(7), 3)
-        p = {"k1": _normal(ks[0], (3, 3, 2, 4), dtype, 0.3), "b1": jnp.full((4,), 0.05, dtype),
-             "k2": _normal(ks[1], (3, 3, 4, 4), dtype, 0.3),
-             "w": _normal(ks[2], (2 * 2 * 4, 3), dtype, 0.3), "b": jnp.zeros((3,), dtype)}
+        p = {
+            "k1": _normal(ks[0], (3, 3, 2, 4), dtype, 0.3),
+            "b1": jnp.full((4,), 0.05, dtype),
+            "k2": _normal(ks[1], (3, 3, 4, 4), dtype, 0.3),
+            "w": _normal(ks[2], (2 * 2 * 4, 3), dtype, 0.3),
+            "b": jnp.zeros((3,), dtype),
+        }
         x = rand((2, 9, 9, 2), dtype, -1, 1, seed=8)
         labels = jnp.asarray([0, 2])
-        loss = lambda p, x: -jnp.mean(
-            jnp.take_along_axis(jax.nn.log_softmax(convnet(p, x)), labels[:, None], axis=1))
+        loss = lambda p, x: (
+            -jnp.mean(
+                jnp.take_along_axis(jax.nn.log_softmax(convnet(p, x)), labels[:, None], axis=1)
+            )
+        )
         tape = tg.trace(loss)(p, x)
         convs = [r for r in tape.records if r.primitive == "conv_general_dilated"]
         assert len(convs) == 2 and all(r.rule in ("rule", "fallback") for r in convs)
@@ -160,7 +191,7 @@ def test_convnet(dtype):
 def rnn_loss(p, xs, h0):
     def step(h, x):
         h = jnp.tanh(h @ p["wh"] + x @ p["wx"] + p["b"])
-        return h, jnp.sum(h ** 2)
+        return h, jnp.sum(h**2)
 
     h, ys = lax.scan(step, h0, xs)
     return jnp.sum(ys) + jnp.sum(h @ p["wo"])
@@ -170,8 +201,12 @@ def rnn_loss(p, xs, h0):
 def test_rnn_scan(dtype):
     with enable_x64(dtype == "float64"):
         ks = jax.random.split(jax.random.PRNGKey(9), 4)
-        p = {"wh": _normal(ks[0], (4, 4), dtype, 0.5), "wx": _normal(ks[1], (3, 4), dtype, 0.5),
-             "b": jnp.zeros((4,), dtype), "wo": _normal(ks[2], (4, 2), dtype)}
+        p = {
+            "wh": _normal(ks[0], (4, 4), dtype, 0.5),
+            "wx": _normal(ks[1], (3, 4), dtype, 0.5),
+            "b": jnp.zeros((4,), dtype),
+            "wo": _normal(ks[2], (4, 2), dtype),
+        }
         xs = rand((6, 3), dtype, -1, 1, seed=10)
         h0 = rand((4,), dtype, -1, 1, seed=11)
         assert any(r.primitive == "scan" for r in tg.trace(rnn_loss)(p, xs, h0).records)
@@ -183,8 +218,10 @@ def test_rnn_scan(dtype):
 
 
 def test_nested_pytrees():
-    params = {"a": (jnp.arange(3.0), [jnp.ones((2, 2)), {"z": jnp.asarray(0.5)}]),
-              "b": jnp.linspace(-1.0, 1.0, 4)}
+    params = {
+        "a": (jnp.arange(3.0), [jnp.ones((2, 2)), {"z": jnp.asarray(0.5)}]),
+        "b": jnp.linspace(-1.0, 1.0, 4),
+    }
 
     def f(p):
         (a, (m, d)) = p["a"]
@@ -220,7 +257,7 @@ def test_argnums(argnums):
         a = rand((3,), "float64", -1, 1, seed=15)
         b = {"k": rand((3, 3), "float64", -1, 1, seed=16)}
         c = rand((), "float64", 0.5, 1, seed=17)
-        f = lambda a, b, c: jnp.sum(jnp.tanh(b["k"] @ a) * c) + c ** 3
+        f = lambda a, b, c: jnp.sum(jnp.tanh(b["k"] @ a) * c) + c**3
         g = assert_grads_match(f, a, b, c, argnums=argnums)
         if isinstance(argnums, tuple):
             assert isinstance(g, tuple) and len(g) == len(argnums)
@@ -234,7 +271,7 @@ def test_has_aux():
 
         def f(params, x):
             out = mlp(params, x)
-            return jnp.sum(out ** 2), {"out": out, "n": 3, "mean": jnp.mean(out)}
+            return jnp.sum(out**2), {"out": out, "n": 3, "mean": jnp.mean(out)}
 
         (g, aux) = assert_grads_match(f, params, x, has_aux=True)
         assert aux["n"] == 3
@@ -275,8 +312,14 @@ def test_finite_differences_mlp():
         flat, unravel = ravel_pytree(params)
         gflat, _ = ravel_pytree(g)
         eps = 1e-6
-        fd = np.array([
-            (mlp_loss(unravel(flat.at[i].add(eps)), x, y)
-             - mlp_loss(unravel(flat.at[i].add(-eps)), x, y)) / (2 * eps)
-            for i in range(flat.size)])
+        fd = np.array(
+            [
+                (
+                    mlp_loss(unravel(flat.at[i].add(eps)), x, y)
+                    - mlp_loss(unravel(flat.at[i].add(-eps)), x, y)
+                )
+                / (2 * eps)
+                for i in range(flat.size)
+            ]
+        )
         np.testing.assert_allclose(gflat, fd, rtol=1e-6, atol=1e-8)

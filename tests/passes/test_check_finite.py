@@ -44,8 +44,9 @@ def test_inserts_one_check_per_record_with_float_outputs():
     out = check_finite(tape)
     validate(out)
     checks = [r for r in out.records if r.primitive == "check_finite"]
-    floating = [r for r in tape.records
-                if any(jnp.issubdtype(o.dtype, jnp.inexact) for o in r.outputs)]
+    floating = [
+        r for r in tape.records if any(jnp.issubdtype(o.dtype, jnp.inexact) for o in r.outputs)
+    ]
     assert len(checks) == len(floating) + 1  # + the inputs
     assert out.records[0].primitive == "check_finite" and out.records[0].params["of"] == "inputs"
     assert "check_finite" in str(out)  # visible on the printed tape
@@ -54,16 +55,18 @@ def test_inserts_one_check_per_record_with_float_outputs():
     for k, r in enumerate(out.records):
         if r.primitive == "check_finite" and k > 0:
             prev = out.records[k - 1]
-            assert [v.id for v in r.inputs] == [o.id for o in prev.outputs
-                                               if jnp.issubdtype(o.dtype, jnp.inexact)]
+            assert [v.id for v in r.inputs] == [
+                o.id for o in prev.outputs if jnp.issubdtype(o.dtype, jnp.inexact)
+            ]
 
 
 def test_clean_gradient_is_unchanged():
     x = jnp.full((5,), 1.2)  # sin(1.2) + 2 - 2.5 > 0: the log is finite
     got = tg.grad(f, passes=[check_finite])(x)
     np.testing.assert_allclose(got, jax.grad(f)(x), rtol=1e-6)
-    np.testing.assert_allclose(jax.jit(tg.grad(f, passes=[check_finite]))(x), jax.grad(f)(x),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        jax.jit(tg.grad(f, passes=[check_finite]))(x), jax.grad(f)(x), rtol=1e-6
+    )
 
 
 def test_nan_raises_naming_the_record_and_line():

@@ -73,7 +73,7 @@ def test_dce_drops_unused_constants():
 
     def f(x):
         jnp.sin(c)
-        return jnp.sum(x ** 2)
+        return jnp.sum(x**2)
 
     tape = tg.trace(f)(jnp.ones(3))
     assert len(tape.consts) == 1
@@ -93,8 +93,9 @@ def test_dce_remaps_recompute_segments():
     out = dce(tape)
     validate(out)
     for seg_before, seg_after in zip(tape.segments, out.segments):
-        assert [tape.records[k].primitive for k in seg_before.records] == \
-               [out.records[k].primitive for k in seg_after.records]
+        assert [tape.records[k].primitive for k in seg_before.records] == [
+            out.records[k].primitive for k in seg_after.records
+        ]
     got = tg.grad(with_dead_code, argnums=(0, 1), policy=sel, passes=[dce])(X, W)
     want = jax.grad(with_dead_code, argnums=(0, 1))(X, W)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), got, want)
@@ -107,6 +108,7 @@ def test_run_applies_passes_in_order_and_accepts_partials():
         def p(tape):
             seen.append((tag, len(tape.records)))
             return tape
+
         return p
 
     tape = tg.trace(with_dead_code)(X, W)
@@ -144,6 +146,8 @@ def test_validate_catches_misnumbered_and_undefined():
     with pytest.raises(tg.InvalidTapeError):
         validate(shuffled)
     renumbered = dataclasses.replace(
-        shuffled, records=tuple(dataclasses.replace(r, index=i) for i, r in enumerate(shuffled.records)))
+        shuffled,
+        records=tuple(dataclasses.replace(r, index=i) for i, r in enumerate(shuffled.records)),
+    )
     with pytest.raises(tg.InvalidTapeError, match="before it is defined"):
         validate(renumbered)

@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import jax.scipy.special as jss
 import numpy as np
 import pytest
+from conftest import assert_grads_match, assert_vjp_match, enable_x64, rand, tols
 from jax import lax
 
 import tapegrad as tg
-from conftest import assert_grads_match, assert_vjp_match, enable_x64, rand, tols
 
 SHAPES = [(), (3,), (2, 3, 4)]
 DTYPES = ["float32", "float64"]
@@ -71,14 +71,16 @@ UNARY = {
     "round": ("round", jnp.round, (-3, 3)),
     "stop_gradient": ("stop_gradient", lambda x: lax.stop_gradient(x) * x, (-2, 2)),
     "copy": ("copy", lambda x: jnp.copy(x) * x, (-2, 2)),
-    "reduce_precision": ("reduce_precision",
-                         lambda x: lax.reduce_precision(x, exponent_bits=5, mantissa_bits=10),
-                         (-2, 2)),
+    "reduce_precision": (
+        "reduce_precision",
+        lambda x: lax.reduce_precision(x, exponent_bits=5, mantissa_bits=10),
+        (-2, 2),
+    ),
     "integer_pow_0": ("integer_pow", lambda x: lax.integer_pow(x, 0), (-2, 2)),
     "integer_pow_1": ("integer_pow", lambda x: lax.integer_pow(x, 1), (-2, 2)),
-    "integer_pow_2": ("integer_pow", lambda x: x ** 2, (-2, 2)),
-    "integer_pow_3": ("integer_pow", lambda x: x ** 3, (-2, 2)),
-    "integer_pow_-2": ("integer_pow", lambda x: x ** -2, ("signed", 0.5, 2)),
+    "integer_pow_2": ("integer_pow", lambda x: x**2, (-2, 2)),
+    "integer_pow_3": ("integer_pow", lambda x: x**3, (-2, 2)),
+    "integer_pow_-2": ("integer_pow", lambda x: x**-2, ("signed", 0.5, 2)),
     "integer_pow_5": ("integer_pow", lambda x: lax.integer_pow(x, 5), (-1.5, 1.5)),
     "pow_const_exponent": ("pow", lambda x: jnp.power(x, 1.7), (0.5, 2)),
     "pow_const_base": ("pow", lambda x: jnp.power(2.5, x), (-2, 2)),
@@ -177,10 +179,12 @@ def test_binary_grad(name, shape, dtype):
         assert any(r.primitive == prim and r.rule == "rule" for r in tape.records)
         # pow in float32: tapegrad's y * x**(y-1) vs jax's y * x**y / x round differently.
         rtol, atol = (1e-5, 1e-5) if (name == "pow" and dtype == "float32") else tols(dtype)
-        assert_grads_match(lambda x, y: jnp.sum(fn(x, y) * c), x, y, argnums=(0, 1),
-                           rtol=rtol, atol=atol)
-        assert_grads_match(lambda x, y: jnp.sum(fn(x, y) * c), x, y, argnums=1,
-                           rtol=rtol, atol=atol)
+        assert_grads_match(
+            lambda x, y: jnp.sum(fn(x, y) * c), x, y, argnums=(0, 1), rtol=rtol, atol=atol
+        )
+        assert_grads_match(
+            lambda x, y: jnp.sum(fn(x, y) * c), x, y, argnums=1, rtol=rtol, atol=atol
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -224,8 +228,9 @@ def test_broadcasting(name, dtype):
         out_shape = jnp.broadcast_shapes(sx, sy)
         c = rand(out_shape, dtype, -1, 1, seed=14)
         rtol, atol = (1e-5, 1e-5) if (name == "pow_size1" and dtype == "float32") else tols(dtype)
-        assert_grads_match(lambda x, y: jnp.sum(fn(x, y) * c), x, y, argnums=(0, 1),
-                           rtol=rtol, atol=atol)
+        assert_grads_match(
+            lambda x, y: jnp.sum(fn(x, y) * c), x, y, argnums=(0, 1), rtol=rtol, atol=atol
+        )
         assert_vjp_match(fn, x, y, seed=15, rtol=rtol, atol=atol)
 
 
@@ -343,8 +348,12 @@ def test_convert_f32_f64_f32(x64):
     assert_vjp_match(lambda x: x.astype(jnp.float64).astype(jnp.float32) * 3.0, x, seed=27)
     # An f64 input through f32 and back.
     y = rand((3,), "float64", -2, 2, seed=28)
-    assert_grads_match(lambda y: jnp.sum(jnp.exp(y.astype(jnp.float32)).astype(jnp.float64) * y),
-                       y, rtol=1e-6, atol=1e-7)  # the f32 hop rounds: compare at f32 accuracy
+    assert_grads_match(
+        lambda y: jnp.sum(jnp.exp(y.astype(jnp.float32)).astype(jnp.float64) * y),
+        y,
+        rtol=1e-6,
+        atol=1e-7,
+    )  # the f32 hop rounds: compare at f32 accuracy
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -376,25 +385,36 @@ def _saves(tape, prim):
     return [(s.kind, s.index) for s in recs[0].saves]
 
 
-@pytest.mark.parametrize("prim,fn", [
-    ("exp", jnp.exp), ("tanh", jnp.tanh), ("logistic", jax.nn.sigmoid),
-    ("sqrt", jnp.sqrt), ("rsqrt", lax.rsqrt),
-], ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize(
+    "prim,fn",
+    [
+        ("exp", jnp.exp),
+        ("tanh", jnp.tanh),
+        ("logistic", jax.nn.sigmoid),
+        ("sqrt", jnp.sqrt),
+        ("rsqrt", lax.rsqrt),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
 def test_saves_output(prim, fn):
     x = rand((4, 5), "float32", 0.5, 2, seed=33)
     tape = tg.trace(lambda x: jnp.sum(fn(x)))(x)
     assert _saves(tape, prim) == [("out", 0)]
 
 
-@pytest.mark.parametrize("prim,fn", [
-    ("add", lambda x: x + jnp.sin(x)),
-    ("sub", lambda x: x - jnp.sin(x)),
-    ("neg", lambda x: -x),
-    ("reshape", lambda x: x.reshape(5, 4)),
-    ("transpose", lambda x: x.T),
-    ("broadcast_in_dim", lambda x: jnp.broadcast_to(x, (3, 4, 5))),
-    ("reduce_sum", lambda x: jnp.sum(x, axis=0)),
-], ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize(
+    "prim,fn",
+    [
+        ("add", lambda x: x + jnp.sin(x)),
+        ("sub", lambda x: x - jnp.sin(x)),
+        ("neg", lambda x: -x),
+        ("reshape", lambda x: x.reshape(5, 4)),
+        ("transpose", lambda x: x.T),
+        ("broadcast_in_dim", lambda x: jnp.broadcast_to(x, (3, 4, 5))),
+        ("reduce_sum", lambda x: jnp.sum(x, axis=0)),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
 def test_saves_nothing(prim, fn):
     x = rand((4, 5), "float32", -1, 1, seed=34)
     tape = tg.trace(lambda x: jnp.sum(jnp.sin(fn(x))))(x)
@@ -463,8 +483,9 @@ def test_lax_scalar_operand(name, dtype):
         eqn = jax.make_jaxpr(fn)(s, x).jaxpr.eqns[-1]
         assert {v.aval.shape for v in eqn.invars} == {(), (2, 3)}  # really unbroadcast
         rtol, atol = (1e-5, 1e-5) if dtype == "float32" else tols(dtype)  # pow/div: see above
-        assert_grads_match(lambda s, x: jnp.sum(jnp.sin(fn(s, x))), s, x, argnums=(0, 1),
-                           rtol=rtol, atol=atol)
+        assert_grads_match(
+            lambda s, x: jnp.sum(jnp.sin(fn(s, x))), s, x, argnums=(0, 1), rtol=rtol, atol=atol
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

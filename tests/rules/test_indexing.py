@@ -20,9 +20,23 @@ from jax import lax
 import tapegrad as tg
 
 INDEXING_PRIMS = {
-    "rev", "slice", "dynamic_slice", "dynamic_update_slice", "concatenate", "split", "pad",
-    "gather", "scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min",
-    "scatter-max", "select_and_gather_add", "stack", "unstack",
+    "rev",
+    "slice",
+    "dynamic_slice",
+    "dynamic_update_slice",
+    "concatenate",
+    "split",
+    "pad",
+    "gather",
+    "scatter",
+    "scatter-add",
+    "scatter-sub",
+    "scatter-mul",
+    "scatter-min",
+    "scatter-max",
+    "select_and_gather_add",
+    "stack",
+    "unstack",
 }
 
 
@@ -38,8 +52,11 @@ def precision(dtype):
 
 
 def tols(dtype):
-    return dict(rtol=1e-5, atol=1e-5) if np.dtype(dtype) == np.float32 else dict(rtol=1e-10,
-                                                                                 atol=1e-10)
+    return (
+        dict(rtol=1e-5, atol=1e-5)
+        if np.dtype(dtype) == np.float32
+        else dict(rtol=1e-10, atol=1e-10)
+    )
 
 
 def rand(rng, shape, dtype):
@@ -84,8 +101,7 @@ def _compare(f, x, ct):
     def scalar(x):
         return jnp.sum(jnp.sin(f(x)) * w)
 
-    return ((out, jax_vjp(ct)[0], jax.grad(scalar)(x)),
-            (tout, tg_vjp(ct)[0], tg.grad(scalar)(x)))
+    return ((out, jax_vjp(ct)[0], jax.grad(scalar)(x)), (tout, tg_vjp(ct)[0], tg.grad(scalar)(x)))
 
 
 def check(fs, xs, dtype, expect=(), seed=0, jit=True):
@@ -123,94 +139,215 @@ IDIOMS = [
     ("x[1]", lambda s: lambda x: x[1], [(3,), (4, 6)], {"slice"}),
     ("x[::-1]", lambda s: lambda x: x[::-1], [(5,), (4, 6)], {"rev"}),
     ("x[idx]", lambda s: lambda x: x[np.array([2, 0, 2, -1])], [(5,), (4, 6)], {"gather"}),
-    ("x[:, idx]", lambda s: lambda x: x[:, np.array([[1, 1], [0, 3]])], [(3, 4), (2, 5, 3)],
-     {"gather"}),
-    ("x[i0, :, i1]", lambda s: lambda x: x[np.array([0, 1, 1]), :, np.array([2, 0, 2])],
-     [(2, 3, 4)], {"gather"}),
-    ("x[dyn int]", lambda s: lambda x: x[jnp.argmax(x.reshape(-1)[:2])], [(4,), (4, 6)],
-     {"dynamic_slice"}),
-    ("x.at[idx].set(v)",
-     lambda s: lambda x: x.at[np.array([2, 0])].set(jnp.sin(x[1:3]) * 2.0),
-     [(5,), (4, 6)], {"scatter"}),
-    ("x.at[dup].set(v)",
-     lambda s: lambda x: x.at[np.array([2, 0, 2, 2])].set(jnp.exp(x[:4])),
-     [(5,), (4, 6)], {"scatter"}),
+    (
+        "x[:, idx]",
+        lambda s: lambda x: x[:, np.array([[1, 1], [0, 3]])],
+        [(3, 4), (2, 5, 3)],
+        {"gather"},
+    ),
+    (
+        "x[i0, :, i1]",
+        lambda s: lambda x: x[np.array([0, 1, 1]), :, np.array([2, 0, 2])],
+        [(2, 3, 4)],
+        {"gather"},
+    ),
+    (
+        "x[dyn int]",
+        lambda s: lambda x: x[jnp.argmax(x.reshape(-1)[:2])],
+        [(4,), (4, 6)],
+        {"dynamic_slice"},
+    ),
+    (
+        "x.at[idx].set(v)",
+        lambda s: lambda x: x.at[np.array([2, 0])].set(jnp.sin(x[1:3]) * 2.0),
+        [(5,), (4, 6)],
+        {"scatter"},
+    ),
+    (
+        "x.at[dup].set(v)",
+        lambda s: lambda x: x.at[np.array([2, 0, 2, 2])].set(jnp.exp(x[:4])),
+        [(5,), (4, 6)],
+        {"scatter"},
+    ),
     ("x.at[1:3].set(0)", lambda s: lambda x: x.at[1:3].set(0.0), [(5,), (4, 6)], {"scatter"}),
-    ("x.at[idx].add(v)",
-     lambda s: lambda x: x.at[np.array([2, 0])].add(x[1:3] ** 2), [(5,), (4, 6)],
-     {"scatter-add"}),
-    ("x.at[dup].add(v)",
-     lambda s: lambda x: x.at[np.array([2, 0, 2, 2, 9])].add(jnp.exp(x[:1]) * jnp.ones(5)[
-         (slice(None),) + (None,) * (len(s) - 1)]),
-     [(5,), (4, 6)], {"scatter-add"}),
-    ("x.at[idx].subtract(v)",
-     lambda s: lambda x: x.at[np.array([1, 1])].subtract(x[2:4] ** 2), [(5,), (4, 3)],
-     {"scatter-sub"}),
-    ("x.at[idx].multiply(v) unique",
-     lambda s: lambda x: x.at[np.array([3, 0])].multiply(x[1:3] ** 2, unique_indices=True),
-     [(5,), (4, 6)], {"scatter-mul"}),
-    ("x.at[dup].multiply(c)",
-     lambda s: lambda x: x.at[np.array([3, 0, 3])].multiply(2.5), [(5,), (4, 6)],
-     {"scatter-mul"}),
-    ("x.at[dup].max(v)",
-     lambda s: lambda x: x.at[np.array([3, 0, 3])].max(jnp.sin(x[1:4] * 3.0)),
-     [(5,), (4, 6)], {"scatter-max"}),
-    ("x.at[dup].min(v) ties",
-     lambda s: lambda x: x.at[np.array([1, 0, 1])].min(x[np.array([1, 2, 1])]),
-     [(5,), (4, 6)], {"scatter-min"}),
-    ("take_along_axis",
-     lambda s: lambda x: jnp.take_along_axis(
-         x, np.array([[0, 3, 1], [2, 2, 0], [1, 0, 3]])[: s[0]], axis=1),
-     [(3, 4), (2, 4)], {"gather"}),
-    ("take_along_axis fill",
-     lambda s: lambda x: jnp.take_along_axis(x, np.array([[0, 9], [-1, 2]]), axis=1,
-                                             mode="fill", fill_value=0.0),
-     [(2, 4)], {"gather"}),
-    ("take clip", lambda s: lambda x: jnp.take(x, np.array([1, 9, -7, 0]), axis=0, mode="clip"),
-     [(5,), (4, 6)], {"gather"}),
-    ("take fill", lambda s: lambda x: jnp.take(x, np.array([1, 9, -7, 0]), axis=0, mode="fill",
-                                               fill_value=0.5),
-     [(5,), (4, 6)], {"gather"}),
-    ("at.get fill nan", lambda s: lambda x: x.at[np.array([1, 9, 1])].get(mode="fill"),
-     [(5,), (4, 6)], {"gather"}),
-    ("at.set clip dup",
-     lambda s: lambda x: x.at[np.array([1, 9, 1])].set(jnp.sin(x[:3]), mode="clip"),
-     [(5,), (4, 6)], {"scatter"}),
-    ("at.set drop",
-     lambda s: lambda x: x.at[np.array([1, 9, 0])].set(jnp.sin(x[:3]), mode="drop"),
-     [(5,), (4, 6)], {"scatter"}),
-    ("roll", lambda s: lambda x: jnp.roll(x, 2, axis=-1), [(5,), (4, 6)],
-     {"slice", "concatenate"}),
-    ("roll dynamic", lambda s: lambda x: jnp.roll(x, jnp.argmax(x.reshape(-1)[:3]) + 1, axis=0),
-     [(5,), (4, 6)], {"concatenate", "dynamic_slice"}),
+    (
+        "x.at[idx].add(v)",
+        lambda s: lambda x: x.at[np.array([2, 0])].add(x[1:3] ** 2),
+        [(5,), (4, 6)],
+        {"scatter-add"},
+    ),
+    (
+        "x.at[dup].add(v)",
+        lambda s: (
+            lambda x: x.at[np.array([2, 0, 2, 2, 9])].add(
+                jnp.exp(x[:1]) * jnp.ones(5)[(slice(None),) + (None,) * (len(s) - 1)]
+            )
+        ),
+        [(5,), (4, 6)],
+        {"scatter-add"},
+    ),
+    (
+        "x.at[idx].subtract(v)",
+        lambda s: lambda x: x.at[np.array([1, 1])].subtract(x[2:4] ** 2),
+        [(5,), (4, 3)],
+        {"scatter-sub"},
+    ),
+    (
+        "x.at[idx].multiply(v) unique",
+        lambda s: lambda x: x.at[np.array([3, 0])].multiply(x[1:3] ** 2, unique_indices=True),
+        [(5,), (4, 6)],
+        {"scatter-mul"},
+    ),
+    (
+        "x.at[dup].multiply(c)",
+        lambda s: lambda x: x.at[np.array([3, 0, 3])].multiply(2.5),
+        [(5,), (4, 6)],
+        {"scatter-mul"},
+    ),
+    (
+        "x.at[dup].max(v)",
+        lambda s: lambda x: x.at[np.array([3, 0, 3])].max(jnp.sin(x[1:4] * 3.0)),
+        [(5,), (4, 6)],
+        {"scatter-max"},
+    ),
+    (
+        "x.at[dup].min(v) ties",
+        lambda s: lambda x: x.at[np.array([1, 0, 1])].min(x[np.array([1, 2, 1])]),
+        [(5,), (4, 6)],
+        {"scatter-min"},
+    ),
+    (
+        "take_along_axis",
+        lambda s: (
+            lambda x: jnp.take_along_axis(
+                x, np.array([[0, 3, 1], [2, 2, 0], [1, 0, 3]])[: s[0]], axis=1
+            )
+        ),
+        [(3, 4), (2, 4)],
+        {"gather"},
+    ),
+    (
+        "take_along_axis fill",
+        lambda s: (
+            lambda x: jnp.take_along_axis(
+                x, np.array([[0, 9], [-1, 2]]), axis=1, mode="fill", fill_value=0.0
+            )
+        ),
+        [(2, 4)],
+        {"gather"},
+    ),
+    (
+        "take clip",
+        lambda s: lambda x: jnp.take(x, np.array([1, 9, -7, 0]), axis=0, mode="clip"),
+        [(5,), (4, 6)],
+        {"gather"},
+    ),
+    (
+        "take fill",
+        lambda s: (
+            lambda x: jnp.take(x, np.array([1, 9, -7, 0]), axis=0, mode="fill", fill_value=0.5)
+        ),
+        [(5,), (4, 6)],
+        {"gather"},
+    ),
+    (
+        "at.get fill nan",
+        lambda s: lambda x: x.at[np.array([1, 9, 1])].get(mode="fill"),
+        [(5,), (4, 6)],
+        {"gather"},
+    ),
+    (
+        "at.set clip dup",
+        lambda s: lambda x: x.at[np.array([1, 9, 1])].set(jnp.sin(x[:3]), mode="clip"),
+        [(5,), (4, 6)],
+        {"scatter"},
+    ),
+    (
+        "at.set drop",
+        lambda s: lambda x: x.at[np.array([1, 9, 0])].set(jnp.sin(x[:3]), mode="drop"),
+        [(5,), (4, 6)],
+        {"scatter"},
+    ),
+    ("roll", lambda s: lambda x: jnp.roll(x, 2, axis=-1), [(5,), (4, 6)], {"slice", "concatenate"}),
+    (
+        "roll dynamic",
+        lambda s: lambda x: jnp.roll(x, jnp.argmax(x.reshape(-1)[:3]) + 1, axis=0),
+        [(5,), (4, 6)],
+        {"concatenate", "dynamic_slice"},
+    ),
     ("flip", lambda s: lambda x: jnp.flip(x), [(5,), (4, 6)], {"rev"}),
-    ("concatenate", lambda s: lambda x: jnp.concatenate([x, x ** 2, x[:1]], axis=0),
-     [(5,), (4, 6)], {"concatenate"}),
-    ("concatenate axis1", lambda s: lambda x: jnp.concatenate([x[:, :0], 2 * x, x], axis=1),
-     [(4, 6), (1, 3, 2)], {"concatenate"}),
-    ("split one used", lambda s: lambda x: jnp.split(x, 2, axis=0)[1], [(4,), (4, 6)],
-     {"split"}),
-    ("split uneven", lambda s: lambda x: jnp.stack([a.sum() * (i + 1) for i, a in enumerate(
-        jnp.split(x, [1, 3], axis=-1))]), [(5,), (4, 6)], {"split"}),
-    ("stack", lambda s: lambda x: jnp.stack([x, 2 * x, x ** 2], axis=-1), [(), (5,), (4, 6)],
-     {"stack"}),
-    ("unstack", lambda s: lambda x: jnp.unstack(x)[1] * jnp.unstack(x, axis=-1)[0].sum(),
-     [(3,), (4, 6)], {"unstack"}),
+    (
+        "concatenate",
+        lambda s: lambda x: jnp.concatenate([x, x**2, x[:1]], axis=0),
+        [(5,), (4, 6)],
+        {"concatenate"},
+    ),
+    (
+        "concatenate axis1",
+        lambda s: lambda x: jnp.concatenate([x[:, :0], 2 * x, x], axis=1),
+        [(4, 6), (1, 3, 2)],
+        {"concatenate"},
+    ),
+    ("split one used", lambda s: lambda x: jnp.split(x, 2, axis=0)[1], [(4,), (4, 6)], {"split"}),
+    (
+        "split uneven",
+        lambda s: (
+            lambda x: jnp.stack(
+                [a.sum() * (i + 1) for i, a in enumerate(jnp.split(x, [1, 3], axis=-1))]
+            )
+        ),
+        [(5,), (4, 6)],
+        {"split"},
+    ),
+    (
+        "stack",
+        lambda s: lambda x: jnp.stack([x, 2 * x, x**2], axis=-1),
+        [(), (5,), (4, 6)],
+        {"stack"},
+    ),
+    (
+        "unstack",
+        lambda s: lambda x: jnp.unstack(x)[1] * jnp.unstack(x, axis=-1)[0].sum(),
+        [(3,), (4, 6)],
+        {"unstack"},
+    ),
     ("pad constant", lambda s: lambda x: jnp.pad(x, [(1, 2)] * len(s)), [(5,), (4, 6)], {"pad"}),
-    ("pad constant value", lambda s: lambda x: jnp.pad(x, [(0, 2)] * len(s),
-                                                       constant_values=3.0),
-     [(5,), (4, 6)], {"pad"}),
-    ("pad edge", lambda s: lambda x: jnp.pad(x, [(2, 1)] * len(s), mode="edge"),
-     [(5,), (4, 6)], {"concatenate"}),
-    ("pad reflect", lambda s: lambda x: jnp.pad(x, [(2, 1)] * len(s), mode="reflect"),
-     [(5,), (4, 6)], {"rev", "concatenate"}),
-    ("pad symmetric", lambda s: lambda x: jnp.pad(x, [(2, 3)] * len(s), mode="symmetric"),
-     [(5,), (4, 6)], {"rev", "concatenate"}),
-    ("pad wrap", lambda s: lambda x: jnp.pad(x, [(2, 1)] * len(s), mode="wrap"),
-     [(5,), (4, 6)], {"concatenate"}),
-    ("where(size=) indices",
-     lambda s: lambda x: x.reshape(-1)[jnp.where(x.reshape(-1) > 0, size=3)], [(6,), (3, 4)],
-     {"gather"}),
+    (
+        "pad constant value",
+        lambda s: lambda x: jnp.pad(x, [(0, 2)] * len(s), constant_values=3.0),
+        [(5,), (4, 6)],
+        {"pad"},
+    ),
+    (
+        "pad edge",
+        lambda s: lambda x: jnp.pad(x, [(2, 1)] * len(s), mode="edge"),
+        [(5,), (4, 6)],
+        {"concatenate"},
+    ),
+    (
+        "pad reflect",
+        lambda s: lambda x: jnp.pad(x, [(2, 1)] * len(s), mode="reflect"),
+        [(5,), (4, 6)],
+        {"rev", "concatenate"},
+    ),
+    (
+        "pad symmetric",
+        lambda s: lambda x: jnp.pad(x, [(2, 3)] * len(s), mode="symmetric"),
+        [(5,), (4, 6)],
+        {"rev", "concatenate"},
+    ),
+    (
+        "pad wrap",
+        lambda s: lambda x: jnp.pad(x, [(2, 1)] * len(s), mode="wrap"),
+        [(5,), (4, 6)],
+        {"concatenate"},
+    ),
+    (
+        "where(size=) indices",
+        lambda s: lambda x: x.reshape(-1)[jnp.where(x.reshape(-1) > 0, size=3)],
+        [(6,), (3, 4)],
+        {"gather"},
+    ),
 ]
 
 
@@ -228,43 +365,84 @@ def test_jnp_idioms(name, make, shapes, prims, dtype):
 LAX_CASES = [
     ("rev multi", lambda x: lax.rev(x, (0, 2)), (3, 2, 4), {"rev"}),
     ("slice strided", lambda x: lax.slice(x, (1, 0), (6, 5), (2, 3)), (7, 5), {"slice"}),
-    ("slice strided exact end", lambda x: lax.slice(x, (0, 1), (5, 5), (2, 2)), (5, 5),
-     {"slice"}),
+    ("slice strided exact end", lambda x: lax.slice(x, (0, 1), (5, 5), (2, 2)), (5, 5), {"slice"}),
     ("slice strides ones", lambda x: lax.slice(x, (1,), (3,), (1,)), (4,), {"slice"}),
-    ("dynamic_slice", lambda x: lax.dynamic_slice(x, (1, 2), (2, 3)), (4, 6),
-     {"dynamic_slice"}),
-    ("dynamic_slice clamped",
-     lambda x: lax.dynamic_slice(x, (jnp.argmax(x[:, 0]) + 7, -3), (3, 2)), (4, 6),
-     {"dynamic_slice"}),
-    ("dynamic_update_slice",
-     lambda x: lax.dynamic_update_slice(x, jnp.sin(x[:2, 1:4]), (1, 2)), (4, 6),
-     {"dynamic_update_slice"}),
-    ("dynamic_update_slice clamped",
-     lambda x: lax.dynamic_update_slice(x, x[:2, :3] ** 2, (jnp.argmin(x[:, 0]) + 5, 4)),
-     (4, 6), {"dynamic_update_slice"}),
-    ("concatenate 4", lambda x: lax.concatenate([x, x * 2, x[:1], jnp.sin(x)], 0), (3, 2),
-     {"concatenate"}),
-    ("split", lambda x: lax.split(x, (1, 0, 3), axis=1)[2] * lax.split(x, (2, 2), axis=1)[0][
-        :, :1], (2, 4), {"split"}),
-    ("pad interior", lambda x: lax.pad(x, jnp.float32(0).astype(x.dtype), ((1, 2, 1), (0, 1, 2))),
-     (3, 4), {"pad"}),
-    ("pad negative", lambda x: lax.pad(x, x[0, 0] * 2, ((-1, 2, 0), (1, -2, 0))), (4, 5),
-     {"pad"}),
-    ("pad negative interior", lambda x: lax.pad(x, jnp.sum(x) / 3, ((-2, -1, 2), (3, -4, 1))),
-     (4, 5), {"pad"}),
-    ("gather promise", lambda x: x.at[np.array([[0, 1], [2, 2]])].get(mode="promise_in_bounds"),
-     (3, 2), {"gather"}),
-    ("scatter unique_indices",
-     lambda x: x.at[np.array([2, 0])].set(x[1:3] ** 2, unique_indices=True), (4, 3),
-     {"scatter"}),
-    ("maxpool jvp (select_and_gather_add)",
-     lambda x: jax.jvp(lambda y: lax.reduce_window(y, -jnp.inf, lax.max, (2, 2), (1, 2),
-                                                   "VALID"), (jnp.cos(x),), (jnp.sin(x),))[1],
-     (5, 6), {"select_and_gather_add"}),
-    ("minpool jvp padded",
-     lambda x: jax.jvp(lambda y: lax.reduce_window(y, jnp.inf, lax.min, (3, 2), (2, 1),
-                                                   "SAME"), (jnp.cos(x),), (x ** 2,))[1],
-     (5, 4), {"select_and_gather_add"}),
+    ("dynamic_slice", lambda x: lax.dynamic_slice(x, (1, 2), (2, 3)), (4, 6), {"dynamic_slice"}),
+    (
+        "dynamic_slice clamped",
+        lambda x: lax.dynamic_slice(x, (jnp.argmax(x[:, 0]) + 7, -3), (3, 2)),
+        (4, 6),
+        {"dynamic_slice"},
+    ),
+    (
+        "dynamic_update_slice",
+        lambda x: lax.dynamic_update_slice(x, jnp.sin(x[:2, 1:4]), (1, 2)),
+        (4, 6),
+        {"dynamic_update_slice"},
+    ),
+    (
+        "dynamic_update_slice clamped",
+        lambda x: lax.dynamic_update_slice(x, x[:2, :3] ** 2, (jnp.argmin(x[:, 0]) + 5, 4)),
+        (4, 6),
+        {"dynamic_update_slice"},
+    ),
+    (
+        "concatenate 4",
+        lambda x: lax.concatenate([x, x * 2, x[:1], jnp.sin(x)], 0),
+        (3, 2),
+        {"concatenate"},
+    ),
+    (
+        "split",
+        lambda x: lax.split(x, (1, 0, 3), axis=1)[2] * lax.split(x, (2, 2), axis=1)[0][:, :1],
+        (2, 4),
+        {"split"},
+    ),
+    (
+        "pad interior",
+        lambda x: lax.pad(x, jnp.float32(0).astype(x.dtype), ((1, 2, 1), (0, 1, 2))),
+        (3, 4),
+        {"pad"},
+    ),
+    ("pad negative", lambda x: lax.pad(x, x[0, 0] * 2, ((-1, 2, 0), (1, -2, 0))), (4, 5), {"pad"}),
+    (
+        "pad negative interior",
+        lambda x: lax.pad(x, jnp.sum(x) / 3, ((-2, -1, 2), (3, -4, 1))),
+        (4, 5),
+        {"pad"},
+    ),
+    (
+        "gather promise",
+        lambda x: x.at[np.array([[0, 1], [2, 2]])].get(mode="promise_in_bounds"),
+        (3, 2),
+        {"gather"},
+    ),
+    (
+        "scatter unique_indices",
+        lambda x: x.at[np.array([2, 0])].set(x[1:3] ** 2, unique_indices=True),
+        (4, 3),
+        {"scatter"},
+    ),
+    (
+        "maxpool jvp (select_and_gather_add)",
+        lambda x: jax.jvp(
+            lambda y: lax.reduce_window(y, -jnp.inf, lax.max, (2, 2), (1, 2), "VALID"),
+            (jnp.cos(x),),
+            (jnp.sin(x),),
+        )[1],
+        (5, 6),
+        {"select_and_gather_add"},
+    ),
+    (
+        "minpool jvp padded",
+        lambda x: jax.jvp(
+            lambda y: lax.reduce_window(y, jnp.inf, lax.min, (3, 2), (2, 1), "SAME"),
+            (jnp.cos(x),),
+            (x**2,),
+        )[1],
+        (5, 4),
+        {"select_and_gather_add"},
+    ),
 ]
 
 
@@ -290,8 +468,13 @@ def test_eager(name):
 @pytest.mark.parametrize("name", ["pad negative interior"])
 def test_eager_lax(name):
     _, f, shape, prims = next(c for c in LAX_CASES if c[0] == name)
-    check([f], [rand(np.random.default_rng(9), shape, np.float32)], np.float32, expect=prims,
-          jit=False)
+    check(
+        [f],
+        [rand(np.random.default_rng(9), shape, np.float32)],
+        np.float32,
+        expect=prims,
+        jit=False,
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -323,15 +506,21 @@ def test_indices_as_arguments(dtype):
         idx = jnp.array([4, 1, 4, 0])
         fs = {
             "gather": lambda x, v, i: jnp.sum(jnp.sin(x[i]) * v),
-            "scatter-add": lambda x, v, i: jnp.sum(jnp.sin(x.at[i].add(v ** 2))),
-            "scatter": lambda x, v, i: jnp.sum(jnp.sin(x.at[i].set(v ** 2))),
-            "dynamic_slice": lambda x, v, i: jnp.sum(jnp.sin(lax.dynamic_slice_in_dim(
-                x, i[1], 2)) ** 2),
-            "dynamic_update_slice": lambda x, v, i: jnp.sum(jnp.sin(
-                lax.dynamic_update_slice_in_dim(x, v[:2] * x[:2], i[1], 0)) ** 2),
+            "scatter-add": lambda x, v, i: jnp.sum(jnp.sin(x.at[i].add(v**2))),
+            "scatter": lambda x, v, i: jnp.sum(jnp.sin(x.at[i].set(v**2))),
+            "dynamic_slice": lambda x, v, i: jnp.sum(
+                jnp.sin(lax.dynamic_slice_in_dim(x, i[1], 2)) ** 2
+            ),
+            "dynamic_update_slice": lambda x, v, i: jnp.sum(
+                jnp.sin(lax.dynamic_update_slice_in_dim(x, v[:2] * x[:2], i[1], 0)) ** 2
+            ),
         }
-        both = fast_jit(lambda x, v, i: [(jax.grad(f, argnums=(0, 1))(x, v, i),
-                                         tg.grad(f, argnums=(0, 1))(x, v, i)) for f in fs.values()])
+        both = fast_jit(
+            lambda x, v, i: [
+                (jax.grad(f, argnums=(0, 1))(x, v, i), tg.grad(f, argnums=(0, 1))(x, v, i))
+                for f in fs.values()
+            ]
+        )
         for want, got in both(x, v, idx):
             for a, b in zip(got, want):
                 np.testing.assert_allclose(a, b, **tols(dt))
@@ -346,8 +535,9 @@ def test_indices_as_arguments(dtype):
 
 
 def _records(f, *args, argnums=None):
-    return {rec.primitive: rec for rec in tg.trace(f, argnums=argnums)(*args).records
-            if rec.in_backward}
+    return {
+        rec.primitive: rec for rec in tg.trace(f, argnums=argnums)(*args).records if rec.in_backward
+    }
 
 
 def test_saves_are_minimal():
@@ -355,21 +545,28 @@ def test_saves_are_minimal():
     v = jnp.ones((2, 6))
     i = jnp.array([3, 1])
     # Linear layout ops save nothing.
-    for f, prim in [(lambda x: x[1:3:2], "slice"), (lambda x: x[::-1], "rev"),
-                    (lambda x: jnp.pad(x, 1), "pad"),
-                    (lambda x: jnp.concatenate([x, x]), "concatenate"),
-                    (lambda x: jnp.split(x, 2)[0], "split")]:
+    for f, prim in [
+        (lambda x: x[1:3:2], "slice"),
+        (lambda x: x[::-1], "rev"),
+        (lambda x: jnp.pad(x, 1), "pad"),
+        (lambda x: jnp.concatenate([x, x]), "concatenate"),
+        (lambda x: jnp.split(x, 2)[0], "split"),
+    ]:
         assert _records(f, x)[prim].saves == ()
     # gather keeps only the indices.
     assert [s.ref for s in _records(lambda x, i: x[i], x, i, argnums=0)["gather"].saves] == [
-        ("in", 1)]
+        ("in", 1)
+    ]
     # scatter-add: the operand's cotangent needs nothing, the updates' needs the indices.
     assert _records(lambda x, v, i: x.at[i].add(v), x, v, i, argnums=0)["scatter-add"].saves == ()
-    assert [s.ref for s in _records(lambda x, v, i: x.at[i].add(v), x, v, i, argnums=1)[
-        "scatter-add"].saves] == [("in", 1)]
+    assert [
+        s.ref
+        for s in _records(lambda x, v, i: x.at[i].add(v), x, v, i, argnums=1)["scatter-add"].saves
+    ] == [("in", 1)]
     # dynamic_slice keeps its start indices only.
-    rec = _records(lambda x, i: lax.dynamic_slice(x, (i[0], i[1]), (2, 2)), x, i,
-                   argnums=0)["dynamic_slice"]
+    rec = _records(lambda x, i: lax.dynamic_slice(x, (i[0], i[1]), (2, 2)), x, i, argnums=0)[
+        "dynamic_slice"
+    ]
     assert {s.ref for s in rec.saves} <= {("in", 1), ("in", 2)}
 
 
@@ -400,18 +597,28 @@ def test_where_single_argument_is_nondifferentiable():
 # Higher order, jit, vmap.
 SECOND_ORDER = [
     ("gather", lambda x: jnp.sum(jnp.sin(x[np.array([2, 0, 2])]) ** 3)),
-    ("take clip", lambda x: jnp.sum(jnp.sin(jnp.take(x, np.array([1, 9, -9]), axis=1,
-                                                     mode="clip")) ** 3)),
+    (
+        "take clip",
+        lambda x: jnp.sum(jnp.sin(jnp.take(x, np.array([1, 9, -9]), axis=1, mode="clip")) ** 3),
+    ),
     ("scatter dup", lambda x: jnp.sum(jnp.sin(x.at[np.array([2, 0, 2])].set(jnp.cos(x[1]))) ** 2)),
     ("scatter-add", lambda x: jnp.sum(jnp.sin(x.at[np.array([2, 0, 2])].add(x[1] ** 2)) ** 2)),
     ("scatter-max", lambda x: jnp.sum(jnp.sin(x.at[np.array([2, 0, 2])].max(jnp.cos(x[1]))) ** 2)),
-    ("dynamic_update_slice", lambda x: jnp.sum(jnp.sin(lax.dynamic_update_slice(
-        x, x[:2, :3] ** 2, (jnp.argmax(x[:, 0]), 5))) ** 2)),
+    (
+        "dynamic_update_slice",
+        lambda x: jnp.sum(
+            jnp.sin(lax.dynamic_update_slice(x, x[:2, :3] ** 2, (jnp.argmax(x[:, 0]), 5))) ** 2
+        ),
+    ),
     ("pad", lambda x: jnp.sum(jnp.sin(lax.pad(x, x[0, 0] * 3, ((-1, 2, 1), (2, -3, 2)))) ** 2)),
-    ("pad reflect + roll", lambda x: jnp.sum(jnp.sin(jnp.roll(jnp.pad(x, 2, mode="reflect"),
-                                                              3, 1)) ** 2 * x[0, 0])),
-    ("concat/split", lambda x: jnp.sum(jnp.sin(jnp.split(jnp.concatenate([x, x ** 2], 1), 3,
-                                                         axis=1)[1]) ** 2)),
+    (
+        "pad reflect + roll",
+        lambda x: jnp.sum(jnp.sin(jnp.roll(jnp.pad(x, 2, mode="reflect"), 3, 1)) ** 2 * x[0, 0]),
+    ),
+    (
+        "concat/split",
+        lambda x: jnp.sum(jnp.sin(jnp.split(jnp.concatenate([x, x**2], 1), 3, axis=1)[1]) ** 2),
+    ),
 ]
 
 
@@ -425,8 +632,9 @@ def test_grad_of_grad(name, f):
     def h_tg(x):
         return jnp.sum(jnp.cos(tg.grad(f)(x)))
 
-    np.testing.assert_allclose(fast_jit(tg.grad(h_tg))(x), fast_jit(jax.grad(h_jax))(x),
-                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        fast_jit(tg.grad(h_tg))(x), fast_jit(jax.grad(h_jax))(x), rtol=1e-4, atol=1e-4
+    )
     # The backward pass of the inner grad is itself taped with tapegrad's rules.
     assert not tg.trace(h_tg)(x).fallback_records
 
@@ -441,8 +649,9 @@ def test_grad_grad_scalar():
         return jnp.sum(jnp.pad(y, ((1, 0), (2, 1)), mode="edge")[::2, ::-1] ** 2)
 
     s = jnp.float32(0.7)
-    np.testing.assert_allclose(fast_jit(tg.grad(tg.grad(f)))(s),
-                               fast_jit(jax.grad(jax.grad(f)))(s), rtol=1e-4)
+    np.testing.assert_allclose(
+        fast_jit(tg.grad(tg.grad(f)))(s), fast_jit(jax.grad(jax.grad(f)))(s), rtol=1e-4
+    )
 
 
 def test_jit_of_grad():
@@ -451,11 +660,14 @@ def test_jit_of_grad():
     def f(x):
         y = x.at[np.array([2, 0, 2])].set(jnp.cos(x[1]))
         y = jnp.concatenate([y[:, ::2], jnp.take(y, np.array([5, 7]), axis=1, mode="clip")], 1)
-        return jnp.sum(jnp.sin(jnp.pad(y, 1)) * lax.dynamic_slice_in_dim(
-            jnp.roll(x, 1, 0), jnp.argmax(x[:, 0]), 1, 1)[:1].sum())
+        return jnp.sum(
+            jnp.sin(jnp.pad(y, 1))
+            * lax.dynamic_slice_in_dim(jnp.roll(x, 1, 0), jnp.argmax(x[:, 0]), 1, 1)[:1].sum()
+        )
 
-    np.testing.assert_allclose(fast_jit(tg.grad(f))(x), fast_jit(jax.grad(f))(x), rtol=1e-5,
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        fast_jit(tg.grad(f))(x), fast_jit(jax.grad(f))(x), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_vmap_of_grad():
@@ -497,8 +709,9 @@ def test_grad_of_vmap_batching_dims():
     def g(xs):
         return jnp.sum(jnp.sin(jax.vmap(f)(xs, idxs, starts)))
 
-    np.testing.assert_allclose(fast_jit(tg.grad(g))(xs), fast_jit(jax.grad(g))(xs), rtol=1e-5,
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        fast_jit(tg.grad(g))(xs), fast_jit(jax.grad(g))(xs), rtol=1e-5, atol=1e-5
+    )
     assert_rules(g, xs, expect={"gather", "scatter", "scatter-add", "scatter-max"})
 
 

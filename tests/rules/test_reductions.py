@@ -88,6 +88,7 @@ def assert_rule(f, args, prims):
 def _loss(f):
     def loss(*args):
         return sum(jnp.sum(jnp.sin(y) * y) for y in jax.tree_util.tree_leaves(f(*args)))
+
     return loss
 
 
@@ -131,8 +132,15 @@ def test_reduce_chooser(op, dtype):
 
     def f(v, t, tie):
         # Ties: jax splits the cotangent equally among tied extrema; so must we.
-        return (op(v), op(t, axis=1), op(t, axis=(0, 2)), op(t, axis=-1),
-                op(tie), op(tie, axis=1), op(tie, axis=(0, 2)))
+        return (
+            op(v),
+            op(t, axis=1),
+            op(t, axis=(0, 2)),
+            op(t, axis=-1),
+            op(tie),
+            op(tie, axis=1),
+            op(tie, axis=(0, 2)),
+        )
 
     check(f, v, t, tie, grad=True, prims=("reduce_max" if op is jnp.max else "reduce_min",))
 
@@ -155,8 +163,12 @@ def test_reduce_max_saves_a_mask():
 
 def test_reduce_prod(dtype):
     v, t, u = randn((6,), dtype) + 0.5, randn((3, 4, 5), dtype, 2) + 0.5, randn((4, 1), dtype, 3)
-    f = lambda v, t, u: (jnp.prod(v), jnp.prod(t, axis=1), jnp.prod(t, axis=(0, 2)),
-                         jnp.prod(u, axis=1))
+    f = lambda v, t, u: (
+        jnp.prod(v),
+        jnp.prod(t, axis=1),
+        jnp.prod(t, axis=(0, 2)),
+        jnp.prod(u, axis=1),
+    )
     check(f, v, t, u, grad=True, prims=("reduce_prod",))
 
 
@@ -194,17 +206,22 @@ def test_cumulative(name):
 @pytest.mark.parametrize("name", sorted(CUM))
 def test_cumulative_float64(name, x64):
     op = CUM[name]
-    check(lambda m: op(m, axis=0, reverse=True), randn((6, 3), np.float64), grad=True,
-          prims=(name,))
+    check(
+        lambda m: op(m, axis=0, reverse=True), randn((6, 3), np.float64), grad=True, prims=(name,)
+    )
 
 
 def test_cumprod_zeros():
     dtype = np.float32
-    vs = [randn((8,), dtype, seed=i, zeros=[(j,) for j in z])
-          for i, z in enumerate([[3], [2, 6], [0, 1, 7]])]
+    vs = [
+        randn((8,), dtype, seed=i, zeros=[(j,) for j in z])
+        for i, z in enumerate([[3], [2, 6], [0, 1, 7]])
+    ]
     m = randn((3, 6), dtype, zeros=[(0, 2), (2, 1), (2, 4)])
-    f = lambda m, *vs: ((jnp.cumprod(m, axis=1), lax.cumprod(m, axis=1, reverse=True))
-                        + tuple(lax.cumprod(v, reverse=r) for v in vs for r in (False, True)))
+    f = lambda m, *vs: (
+        (jnp.cumprod(m, axis=1), lax.cumprod(m, axis=1, reverse=True))
+        + tuple(lax.cumprod(v, reverse=r) for v in vs for r in (False, True))
+    )
     check(f, m, *vs, prims=("cumprod",))
 
 
@@ -224,9 +241,11 @@ def test_cummax_ties():
 
     @jax.jit
     def grads(x):
-        return (tg.grad(lambda x: lax.cummax(x).sum())(x),
-                tg.grad(lambda x: lax.cummax(x[::-1], reverse=True).sum())(x),
-                tg.grad(lambda x: lax.cummin(-x).sum())(x))
+        return (
+            tg.grad(lambda x: lax.cummax(x).sum())(x),
+            tg.grad(lambda x: lax.cummax(x[::-1], reverse=True).sum())(x),
+            tg.grad(lambda x: lax.cummin(-x).sum())(x),
+        )
 
     fwd, rev, mn = grads(x)
     assert_allclose(np.asarray(fwd), want, rtol=1e-6)
@@ -239,8 +258,9 @@ def test_cumchooser_ties_plateau_totals():
     x = ties((40,), np.float32, seed=3)
     ct = randn((40,), np.float32, seed=4)
     ops = (lax.cummax, lax.cummin)
-    results = jax.jit(lambda x, ct: [(tg.vjp(op, x)[1](ct)[0], jax.vjp(op, x)[1](ct)[0])
-                                     for op in ops])(x, ct)
+    results = jax.jit(
+        lambda x, ct: [(tg.vjp(op, x)[1](ct)[0], jax.vjp(op, x)[1](ct)[0]) for op in ops]
+    )(x, ct)
     for op, (got, want) in zip(ops, results):
         y = np.asarray(op(x))
         plateau = np.cumsum(np.r_[True, y[1:] != y[:-1]])
@@ -261,8 +281,13 @@ def test_cummax_saves_int8_code():
 
 def test_sort(dtype):
     v, m, t = randn((9,), dtype), ties((4, 6), dtype), randn((2, 3, 5), dtype, 2)
-    f = lambda v, m, t: (jnp.sort(v), jnp.sort(m, axis=1), jnp.sort(m, axis=0),
-                         jnp.sort(t, axis=1), jnp.sort(m, axis=1, descending=True))
+    f = lambda v, m, t: (
+        jnp.sort(v),
+        jnp.sort(m, axis=1),
+        jnp.sort(m, axis=0),
+        jnp.sort(t, axis=1),
+        jnp.sort(m, axis=1, descending=True),
+    )
     check(f, v, m, t, grad=True, prims=("sort",))
 
 
@@ -357,18 +382,24 @@ SECOND = {
 def test_second_order(prim):
     f = SECOND[prim]
     x, v = randn((3, 5), np.float32, seed=2), randn((3, 5), np.float32, seed=3)
-    got, want = jax.jit(lambda x: (
-        tg.grad(lambda x: jnp.sum(tg.grad(f)(x) * v))(x),
-        jax.grad(lambda x: jnp.sum(jax.grad(f)(x) * v))(x)))(x)
+    got, want = jax.jit(
+        lambda x: (
+            tg.grad(lambda x: jnp.sum(tg.grad(f)(x) * v))(x),
+            jax.grad(lambda x: jnp.sum(jax.grad(f)(x) * v))(x),
+        )
+    )(x)
     _close(got, want, np.float32)
 
 
 def test_second_order_float64(x64):
     f = lambda x: sum(SECOND[p](x) for p in ("reduce_prod", "cumlogsumexp", "sort"))
     x, v = randn((3, 5), np.float64, seed=2), randn((3, 5), np.float64, seed=3)
-    got, want = jax.jit(lambda x: (
-        tg.grad(lambda x: jnp.sum(tg.grad(f)(x) * v))(x),
-        jax.grad(lambda x: jnp.sum(jax.grad(f)(x) * v))(x)))(x)
+    got, want = jax.jit(
+        lambda x: (
+            tg.grad(lambda x: jnp.sum(tg.grad(f)(x) * v))(x),
+            jax.grad(lambda x: jnp.sum(jax.grad(f)(x) * v))(x),
+        )
+    )(x)
     _close(got, want, np.float64)
 
 

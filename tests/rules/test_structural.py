@@ -1,7 +1,6 @@
 """Shape and layout rules (structural.py) against jax.vjp."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
