@@ -526,6 +526,11 @@ def report_head(rep) -> list[str]:
     if rep.budget_bytes is not None:
         tail += f"; budget {rep.budget_bytes:,} B (inputs not counted)"
     lines.append(clip(tail, WIDTH))
+    if rep.recompute_flops or rep.plan:
+        why = f"  recompute {rep.recompute_flops / 1e6:,.2f} MFLOP in backward"
+        if rep.plan:
+            why += f"; planner chose {rep.plan}"
+        lines.append(clip(why, WIDTH))
     return lines
 
 
@@ -638,7 +643,10 @@ def report_html(rep) -> str:
         stat("peak live", rep.peak_bytes, "peak_bytes", human_bytes(rep.peak_bytes)),
         stat("records keeping residuals", len(rows), "rows"),
         stat("records recomputed", n_re, "recompute"),
+        stat("recompute MFLOP", f"{rep.recompute_flops / 1e6:,.2f}", "recompute_flops"),
     ]
+    if rep.plan:
+        totals.append(stat("planner chose", rep.plan, "plan"))
     if rep.budget_bytes is not None:
         totals.append(
             stat(

@@ -74,6 +74,11 @@ class MemoryReport:
     input_residual_bytes: int = 0
     # The planner's budget (activation bytes) when a `tg.policies.budget` chose the plan.
     budget_bytes: int | None = None
+    # Flops backward spends recomputing (each recomputed record once, as the executor
+    # runs them; `tg.policies.budget`'s own cost model), and the plan family the
+    # planner chose ("chain DP", "cuts+dots_saveable", ...) when one ran.
+    recompute_flops: float = 0.0
+    plan: str | None = None
 
     def __str__(self) -> str:
         from tapegrad._display import report_text
@@ -372,7 +377,26 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
         tuple(timeline_kinds),
         input_live,
         _budget_of(policy),
+        _recompute_flops(tape),
+        _plan_of(policy),
     )
+
+
+def _recompute_flops(tape: Tape) -> float:
+    from tapegrad.policies.budget import record_flops
+
+    return float(sum(record_flops(tape.records[i]) for seg in tape.segments for i in seg.records))
+
+
+def _plan_of(policy: Any) -> str | None:
+    """The plan family a `tg.policies.budget` chose last (``policy.last["plan"]``)."""
+    from tapegrad.policies.budget import Budget
+
+    for _ in range(8):
+        if isinstance(policy, Budget):
+            return policy.last.get("plan")
+        policy = getattr(policy, "base", None)
+    return None
 
 
 def _budget_of(policy: Any) -> int | None:

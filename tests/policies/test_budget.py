@@ -38,7 +38,7 @@ def chain3(ws, x):  # widths change, so layers differ in bytes and flops
     h = x
     for w in ws:
         h = jnp.tanh(jnp.sin(h @ w))
-    return jnp.sum(h ** 2)
+    return jnp.sum(h**2)
 
 
 def chain_mixed(ws, x):  # ops that save their input, their output, both, or nothing
@@ -63,21 +63,21 @@ class Cube(tg.Function):  # keeps a derived value (x*x), not its input or output
 def chain_aux(ws, x):
     h = Cube.apply(jnp.sin(x @ ws[0]))
     h = jnp.tanh(h @ ws[1])
-    return jnp.sum(h ** 2)
+    return jnp.sum(h**2)
 
 
 def residual2(ws, x):  # a DAG: the residual stream skips each block
     h = x
     for w1, w2 in zip(ws[::2], ws[1::2]):
         h = h + jnp.tanh(h @ w1) @ w2
-    return jnp.sum(h ** 2)
+    return jnp.sum(h**2)
 
 
 def resid_stack(ws, x):  # stages: exactly one value crosses between layers
     h = x
     for w in ws:
         h = h + jnp.tanh(h @ w)
-    return jnp.sum(h ** 2)
+    return jnp.sum(h**2)
 
 
 def gated(ws, x):  # a DAG: two branches of x meet (attention/GLU-like)
@@ -89,12 +89,17 @@ def gated(ws, x):  # a DAG: two branches of x meet (attention/GLU-like)
 
 def make(shapes, batch=4, seed=0):
     ks = jax.random.split(jax.random.key(seed), len(shapes) + 1)
-    return ([jax.random.normal(k, s) / 3 for k, s in zip(ks, shapes)],
-            jax.random.normal(ks[-1], (batch, shapes[0][0])))
+    return (
+        [jax.random.normal(k, s) / 3 for k, s in zip(ks, shapes)],
+        jax.random.normal(ks[-1], (batch, shapes[0][0])),
+    )
 
 
-CHAINS = [(chain3, [(8, 16), (16, 8), (8, 24)]), (chain_mixed, [(8, 16), (16, 12)]),
-          (chain_aux, [(8, 16), (16, 12)])]
+CHAINS = [
+    (chain3, [(8, 16), (16, 8), (8, 24)]),
+    (chain_mixed, [(8, 16), (16, 12)]),
+    (chain_aux, [(8, 16), (16, 12)]),
+]
 
 
 @pytest.mark.parametrize("fn,shapes", CHAINS, ids=lambda a: getattr(a, "__name__", ""))
@@ -135,8 +140,11 @@ def test_chain_program_respects_binding_decisions():
         assert scores[tuple(dec)][0] <= b and scores[tuple(dec)][1] == optimum(ok, b)
 
 
-DAGS = [(residual2, [(8, 16), (16, 8), (8, 24), (24, 8)]), (gated, [(8, 16), (8, 16), (16, 8)]),
-        (resid_stack, [(8, 8)] * 3)]
+DAGS = [
+    (residual2, [(8, 16), (16, 8), (8, 24), (24, 8)]),
+    (gated, [(8, 16), (8, 16), (16, 8)]),
+    (resid_stack, [(8, 8)] * 3),
+]
 
 
 @pytest.mark.parametrize("fn,shapes", DAGS, ids=lambda a: getattr(a, "__name__", ""))
@@ -191,8 +199,12 @@ def test_planned_gradients_equal_jax_on_a_chain():
     rep = tg.memory_report(chain3, policy=pol)(ws, x)
     assert rep.peak_bytes - rep.input_bytes <= pol.bytes  # measured, not only planned
     assert pol.last["plan"] == "chain DP" and pol.last["recompute_flops"] > 0
-    chex.assert_trees_all_close(tg.grad(chain3, argnums=(0, 1), policy=pol)(ws, x),
-                                jax.grad(chain3, argnums=(0, 1))(ws, x), rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(
+        tg.grad(chain3, argnums=(0, 1), policy=pol)(ws, x),
+        jax.grad(chain3, argnums=(0, 1))(ws, x),
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 @pytest.mark.parametrize("frac", [0.75, 0.6])
@@ -206,8 +218,9 @@ def test_planned_gradients_equal_jax_on_a_dag_under_jit(frac):
     got = jax.jit(tg.grad(residual2, argnums=(0, 1), policy=pol))(ws, x)
     # the same float ops as save(): recomputation replays the forward records
     chex.assert_trees_all_equal(got, jax.jit(tg.grad(residual2, argnums=(0, 1)))(ws, x))
-    chex.assert_trees_all_close(got, jax.grad(residual2, argnums=(0, 1))(ws, x),
-                                rtol=1e-5, atol=1e-4)  # gradients of size ~100
+    chex.assert_trees_all_close(
+        got, jax.grad(residual2, argnums=(0, 1))(ws, x), rtol=1e-5, atol=1e-4
+    )  # gradients of size ~100
 
 
 def _noisy():
@@ -248,3 +261,24 @@ def test_planner_never_recomputes_a_side_effect():
     assert k == 1
     want = jax.grad(lambda x: jnp.sum(jnp.tanh(x @ jnp.full((16, 16), k, jnp.float32)) ** 2))(x)
     np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_memory_report_shows_the_planners_choice_and_its_recompute_flops():
+    ws = [jnp.full((32, 32), 0.01) * (i + 1) for i in range(8)]
+    x = jnp.ones((16, 32))
+
+    def f(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return jnp.sum(x)
+
+    saved = tg.memory_report(f)(ws, x)
+    pol = tg.policies.budget(bytes=(saved.peak_bytes - saved.input_residual_bytes) // 2)
+    rep = tg.memory_report(f, policy=pol)(ws, x)
+    assert rep.plan == pol.last["plan"]
+    assert rep.recompute_flops > 0
+    assert rep.recompute_flops == pytest.approx(pol.last["recompute_flops"])
+    assert "planner chose" in str(rep) and "MFLOP" in str(rep)
+    # Without a planner, the same field counts what tg.checkpoint recomputes.
+    g = lambda ws, x: tg.checkpoint(f)(ws, x)
+    assert tg.memory_report(g)(ws, x).recompute_flops > 0 and saved.recompute_flops == 0
