@@ -3,6 +3,9 @@
     python bench/grad_bench.py            # all three models
     python bench/grad_bench.py --quick    # fewer repetitions
 
+Times are medians; each ratio is the median of per-round ratios, tapegrad and jax
+timed alternately (robust to the load of a shared machine).
+
 Residual bytes are measured from live arrays (``jax.live_arrays()``): the bytes
 that appear when ``vjp`` returns and stay alive while ``vjp_fn`` is held,
 minus the output. Inputs already alive are not counted, for either library.
@@ -12,28 +15,35 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import platform
 import statistics
 import time
 
 import jax
 import jax.numpy as jnp
+from _models import mlp_loss, mlp_params, split_static, transformer_loss, transformer_params
 
 import tapegrad as tg
 
-from _models import mlp_loss, mlp_params, split_static, transformer_loss, transformer_params
 
+def paired(fa, fb, reps: int) -> tuple[float, float, float]:
+    """Medians (ms) of ``fa`` and ``fb`` and the median of their per-round ratio.
 
-def timeit(fn, reps: int) -> float:
-    """Median wall time in ms over ``reps`` calls (after 3 warm-up calls)."""
-    for _ in range(3):
-        jax.block_until_ready(fn())
-    times = []
+    The two run alternately, so both see the same load on a shared machine; the
+    per-round ratio cancels slow drift. 5 warm-up calls each first (tapegrad compiles
+    a repeated eager structure at its third call)."""
+    for _ in range(5):
+        jax.block_until_ready(fa())
+        jax.block_until_ready(fb())
+    ta, tb = [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+        for fn, ts in ((fa, ta), (fb, tb)):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            ts.append(time.perf_counter() - t0)
+    ratio = statistics.median(a / b for a, b in zip(ta, tb))
+    return statistics.median(ta) * 1e3, statistics.median(tb) * 1e3, ratio
 
 
 def live_bytes() -> int:
@@ -54,14 +64,26 @@ def held_bytes(vjp, f, *args) -> int:
 def models():
     key = jax.random.key(0)
     k1, k2, k3, k4 = jax.random.split(key, 4)
-    yield ("mlp8 (256 wide, batch 64)", mlp_loss, mlp_params(k1, 8, 256),
-           jax.random.normal(k2, (64, 256)))
-    yield ("mlp32 (64 wide, batch 64)", mlp_loss, mlp_params(k3, 32, 64),
-           jax.random.normal(k4, (64, 64)))
+    yield (
+        "mlp8 (256 wide, batch 64)",
+        mlp_loss,
+        mlp_params(k1, 8, 256),
+        jax.random.normal(k2, (64, 256)),
+    )
+    yield (
+        "mlp32 (64 wide, batch 64)",
+        mlp_loss,
+        mlp_params(k3, 32, 64),
+        jax.random.normal(k4, (64, 64)),
+    )
     arrays, heads = split_static(transformer_params(k1))
     loss = lambda p, x: transformer_loss({**p, "heads": heads}, x)  # noqa: E731
-    yield ("transformer block (d=128, 4 heads, seq 64, batch 8)", loss, arrays,
-           jax.random.normal(k2, (8, 64, 128)))
+    yield (
+        "transformer block (d=128, 4 heads, seq 64, batch 8)",
+        loss,
+        arrays,
+        jax.random.normal(k2, (8, 64, 128)),
+    )
 
 
 def main() -> None:
@@ -69,23 +91,38 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     a = ap.parse_args()
     reps_eager, reps_jit = (5, 20) if a.quick else (30, 200)
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {platform.processor() or platform.machine()}")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].platform}, "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
+        f"load average {load:.1f}"
+    )
     print(f"{'model':54} {'eager tg/jax':>22} {'jit tg/jax':>22} {'residual bytes tg/jax':>32}")
     for name, f, params, x in models():
-        e_tg = timeit(lambda: tg.grad(f)(params, x), reps_eager)
-        e_jax = timeit(lambda: jax.grad(f)(params, x), reps_eager)
+        for g_tg, g_jax in [(tg.grad(f)(params, x), jax.grad(f)(params, x)) for _ in range(4)]:
+            err = max(
+                float(jnp.max(jnp.abs(u - v)))
+                for u, v in zip(jax.tree.leaves(g_tg), jax.tree.leaves(g_jax))
+            )
+            assert err < 1e-4, f"{name}: eager tapegrad and jax disagree by {err}"
+        e_tg, e_jax, e_ratio = paired(
+            lambda: tg.grad(f)(params, x), lambda: jax.grad(f)(params, x), reps_eager
+        )
         jt, jj = jax.jit(tg.grad(f)), jax.jit(jax.grad(f))
         g_tg, g_jax = jt(params, x), jj(params, x)
-        err = max(float(jnp.max(jnp.abs(u - v))) for u, v in
-                  zip(jax.tree.leaves(g_tg), jax.tree.leaves(g_jax)))
+        err = max(
+            float(jnp.max(jnp.abs(u - v)))
+            for u, v in zip(jax.tree.leaves(g_tg), jax.tree.leaves(g_jax))
+        )
         assert err < 1e-4, f"{name}: tapegrad and jax disagree by {err}"
-        j_tg = timeit(lambda: jt(params, x), reps_jit)
-        j_jax = timeit(lambda: jj(params, x), reps_jit)
+        j_tg, j_jax, j_ratio = paired(lambda: jt(params, x), lambda: jj(params, x), reps_jit)
         b_tg = held_bytes(tg.vjp, f, params, x)
         b_jax = held_bytes(jax.vjp, f, params, x)
-        print(f"{name:54} {e_tg:7.2f}/{e_jax:7.2f} ms {e_tg / e_jax:4.2f}x "
-              f"{j_tg:7.3f}/{j_jax:7.3f} ms {j_tg / j_jax:4.2f}x "
-              f"{b_tg:>11,}/{b_jax:>11,} B {b_tg / b_jax:4.2f}x")
+        print(
+            f"{name:54} {e_tg:7.2f}/{e_jax:7.2f} ms {e_ratio:4.2f}x "
+            f"{j_tg:7.3f}/{j_jax:7.3f} ms {j_ratio:4.2f}x "
+            f"{b_tg:>11,}/{b_jax:>11,} B {b_tg / b_jax:4.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ import dataclasses
 import functools
 import os
 import sys
+import types
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -115,7 +116,8 @@ WARNING = (
 def _user_stacklevel() -> int:
     """The stacklevel of the first frame outside tapegrad (so the warning names the user's line)."""
     pkg = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    frame, level = sys._getframe(1), 1
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and frame.f_code.co_filename.startswith(pkg):
         frame, level = frame.f_back, level + 1
     return level
@@ -313,7 +315,8 @@ def feeding_chain(
     rec: Record, producers: dict[int, Record], depth: int = 3, limit: int = 6
 ) -> list[str]:
     """The records that produced ``rec``'s inputs, breadth first, a few steps back."""
-    lines, seen, frontier = [], {rec.index}, [rec]
+    lines: list[str] = []
+    seen, frontier = {rec.index}, [rec]
     for _ in range(depth):
         nxt = []
         for r in frontier:
@@ -366,6 +369,7 @@ def message(
         ]
     elif site.kind == "forward":
         rec = site.record
+        assert rec is not None  # forward and backward sites always carry their record
         lines = [
             f"{bad} in the output of '{rec.primitive}' (record #{rec.index}) at {rec.source}: "
             f"its output {site.index} ({var}).",
@@ -384,6 +388,7 @@ def message(
         )
     else:
         rec = site.record
+        assert rec is not None  # forward and backward sites always carry their record
         lines = [
             f"backward of '{rec.primitive}' (record #{rec.index}) returned {bad} values in "
             f"its {site.index}th output: the cotangent of its input {site.index} ({var}).",

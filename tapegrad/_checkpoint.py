@@ -19,7 +19,7 @@ import enum
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import jax
 import numpy as np
@@ -229,7 +229,7 @@ def build_segments(tape: Tape, decisions: Sequence[str]) -> tuple[Segment, ...]:
             producer[o.id] = rec
     recompute = [d == "recompute" for d in decisions]
 
-    def recomputed(v) -> bool:
+    def recomputed(v: object) -> TypeGuard[Var]:
         return isinstance(v, Var) and v.id in producer and recompute[producer[v.id].index]
 
     needed: set[int] = set()  # record indices to recompute
@@ -253,9 +253,9 @@ def build_segments(tape: Tape, decisions: Sequence[str]) -> tuple[Segment, ...]:
         if rec.index in needed:
             continue
         needed.add(rec.index)
-        for i in rec.inputs:
-            if recomputed(i) and producer[i.id].region == rec.region:
-                stack.append(producer[i.id])
+        for u in rec.inputs:
+            if recomputed(u) and producer[u.id].region == rec.region:
+                stack.append(producer[u.id])
 
     # Union-find over data edges between needed records of the same region.
     parent = {i: i for i in needed}
@@ -322,7 +322,7 @@ def build_segments(tape: Tape, decisions: Sequence[str]) -> tuple[Segment, ...]:
         active = set(range(len(groups_l)))  # not converged: keep every segment (always correct)
         stored = {v for g in active for v in inputs_of[g]}
 
-    segments = []
+    segments: list[Segment] = []
     for g in sorted(active):
         idxs = groups_l[g]
         outs = outputs(g, stored)

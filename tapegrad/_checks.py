@@ -157,8 +157,11 @@ def _diff(fp, fm, o: int, eps: float) -> np.ndarray:
     return (np.asarray(fp[o], np.float64) - np.asarray(fm[o], np.float64)) / (2 * eps)
 
 
-def _numerical_columns(p: _Problem, fn, j: int, eps: float, out_idx) -> dict[int, np.ndarray]:
-    """d outputs / d (checked input j) by central differences: {output: (n_out, n_in)}."""
+def _numerical_columns(
+    p: _Problem, fn, j: int, eps: float, out_idx
+) -> dict[int, np.ndarray | None]:
+    """d outputs / d (checked input j) by central differences: {output: (n_out, n_in)},
+    None for every output when input j is empty."""
     x = np.asarray(p.x0[j], np.float64).reshape(-1)
     cols: dict[int, list] = {o: [] for o in out_idx}
     for e in range(x.size):
@@ -200,6 +203,7 @@ def _check_full(p: _Problem, fn, eps, atol, rtol, raise_exception, policy, what)
             if not rows[(o, j)]:
                 continue  # an empty output
             a, n = np.stack(rows[(o, j)]), num[o]
+            assert n is not None  # input j is not empty (n_in > 0)
             ok = (np.abs(a - n) <= atol + rtol * np.abs(n)) | ((a == n) & ~np.isnan(a))
             if ok.all():
                 continue

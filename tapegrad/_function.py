@@ -110,6 +110,12 @@ class FunctionCtx:
         self._tg_non_diff: list = []
         self._tg_materialize = True
 
+    # Set by _finish_ctx once forward has run (declared here for the type checker only).
+    _tg_out_tree: Any  # jax PyTreeDef
+    _tg_marked: frozenset[int]
+    _tg_out_dtypes: tuple[Any, ...]
+    _tg_spread: bool
+
     def save_for_backward(self, *tensors: Any) -> None:
         """Keep ``tensors`` (arrays or None) for ``backward``; a later call replaces them."""
         for i, t in enumerate(tensors):
@@ -331,7 +337,7 @@ class Function:
 
 
 def _arg_names(params, n: int) -> list[str]:
-    names = []
+    names: list[str] = []
     for p in params:
         if p.kind == p.VAR_POSITIONAL:
             names += [f"{p.name}[{k}]" for k in range(n - len(names))]
@@ -410,12 +416,12 @@ def _call(cls, spec: _Spec, new_style: bool):
     def bwd(res: _Residuals, ct: Any):
         ctx = res.ctx
         ct_leaves = ctx._tg_out_tree.flatten_up_to(ct)
-        grads_out = []
+        g_leaves = []
         for k, (g, dt) in enumerate(zip(ct_leaves, ctx._tg_out_dtypes)):
             if k in ctx._tg_marked or _is_no_cotangent(g) or not jnp.issubdtype(dt, jnp.inexact):
                 g = jnp.zeros(g.shape, dt) if ctx._tg_materialize else None
-            grads_out.append(g)
-        grads_out = tree_util.tree_unflatten(ctx._tg_out_tree, grads_out)
+            g_leaves.append(g)
+        grads_out = tree_util.tree_unflatten(ctx._tg_out_tree, g_leaves)
         grads_out = grads_out if ctx._tg_spread else (grads_out,)
         ctx._tg_saved, ctx._tg_in_backward = res.arrays, True
         try:

@@ -28,7 +28,7 @@ Two kinds of hook, because jax traces:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -98,7 +98,7 @@ def _discard_result(fn: Callable) -> Callable:
 def _check_replacement(fn_name: str, ct: Any, new: Any) -> Any:
     ct_leaves, ct_tree = tree_util.tree_flatten(ct)
     new_leaves, new_tree = tree_util.tree_flatten(new)
-    if new_tree != ct_tree:
+    if cast(Any, new_tree) != ct_tree:  # jaxlib's PyTreeDef has no type stubs
         raise HookError(
             f"tg.hook: hook {fn_name} returned a value with structure {new_tree}, but the "
             f"cotangent it received has structure {ct_tree}. Return a replacement of the "

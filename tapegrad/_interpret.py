@@ -13,12 +13,14 @@ memory falls during backward as in PyTorch.
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
 from jax import lax
 
+from tapegrad import _jax_compat as compat
 from tapegrad._tape import Lit, Record, Saved, Segment, Tape, Var, as_dtype
 from tapegrad.errors import ResidualError, where
 from tapegrad.policies._base import SAVE, ResidualInfo, is_plain
@@ -52,7 +54,7 @@ def _bind(rec: Record, ins: list) -> list:
     return list(out) if rec.prim.multiple_results else [out]
 
 
-def _run(rec: Record, ins: list) -> tuple[list, Any]:
+def _run(rec: Record, ins: list) -> tuple[Sequence[Any], Any]:
     """Evaluate one record: (outputs, derived residuals or None)."""
     if rec.rule != "none":
         rule = lookup(rec.primitive) or FALLBACK
@@ -80,11 +82,21 @@ def _lit_key(v) -> Any:
 
 def _rule_key(rec: Record, x, y, aux, gs):
     try:
-        key = (rec.primitive, tuple(sorted(rec.params.items())), rec.active,
-               tuple((i.shape, str(i.dtype), _lit_key(i)) for i in rec.inputs),
-               tuple((o.shape, str(o.dtype)) for o in rec.outputs),
-               tuple(v is not None and type(i) is not Lit for v, i in zip(x, rec.inputs)),
-               tuple(v is not None for v in y), len(aux), tuple(g is not None for g in gs))
+        key = (
+            rec.primitive,
+            tuple(sorted(rec.params.items())),
+            rec.active,
+            # Explicit-axis shardings are part of the type, and rules read them.
+            tuple(
+                (i.shape, str(i.dtype), _lit_key(i), compat.explicit_sharding(i))
+                for i in rec.inputs
+            ),
+            tuple((o.shape, str(o.dtype), compat.explicit_sharding(o)) for o in rec.outputs),
+            tuple(v is not None and type(i) is not Lit for v, i in zip(x, rec.inputs)),
+            tuple(v is not None for v in y),
+            len(aux),
+            tuple(g is not None for g in gs),
+        )
         hash(key)
     except TypeError:
         return None
@@ -100,8 +112,13 @@ def _is_concrete(vals) -> bool:
 
 def _apply_rule(rule, rec: Record, x, y, aux, gs) -> list:
     """Input cotangents (fitted to each input's shape and dtype), None where none."""
-    if rule.kind == "rule" and _is_concrete(gs) and _is_concrete(y) and _is_concrete(aux) and \
-            _is_concrete(v for v, i in zip(x, rec.inputs) if type(i) is not Lit):
+    if (
+        rule.kind == "rule"
+        and _is_concrete(gs)
+        and _is_concrete(y)
+        and _is_concrete(aux)
+        and _is_concrete(v for v, i in zip(x, rec.inputs) if type(i) is not Lit)
+    ):
         key = _rule_key(rec, x, y, aux, gs)
         if key is not None:
             fn = _RULE_JIT.get(key)
@@ -116,8 +133,10 @@ def _apply_rule(rule, rec: Record, x, y, aux, gs) -> list:
 def _rule_body(rule, rec: Record, x, y, aux, gs) -> list:
     x = [i.value if type(i) is Lit else v for v, i in zip(x, rec.inputs)]
     in_cts = rule.vjp(rec.params, Res(x, y, aux, rec.inputs, rec.outputs, rec), gs, rec.active)
-    return [_fit(ct, inp, rec, i) if (a and ct is not None) else None
-            for i, (inp, a, ct) in enumerate(zip(rec.inputs, rec.active, in_cts))]
+    return [
+        _fit(ct, inp, rec, i) if (a and ct is not None) else None
+        for i, (inp, a, ct) in enumerate(zip(rec.inputs, rec.active, in_cts))
+    ]
 
 
 def _boundary_consumers(tape: Tape) -> dict[int, tuple[Record, int, int]]:
@@ -131,21 +150,30 @@ def _boundary_consumers(tape: Tape) -> dict[int, tuple[Record, int, int]]:
                 continue
             for r in (tape.records[k] for k in seg.records):
                 if any(isinstance(u, Var) and u.id == v.id for u in r.inputs):
-                    idx = next(j for j, u in enumerate(r.inputs) if isinstance(u, Var) and u.id == v.id)
+                    idx = next(
+                        j for j, u in enumerate(r.inputs) if isinstance(u, Var) and u.id == v.id
+                    )
                     out[v.id] = (r, idx, 1)
                     break
     return out
 
 
-def forward(tape: Tape, args: Sequence[Any], policy: Any = SAVE,
-            observer: Any = None) -> tuple[list, Residuals]:
+def forward(
+    tape: Tape,
+    args: Sequence[Any],
+    policy: Any = SAVE,
+    observer: Any = None,
+    consts: Sequence[Any] | None = None,
+) -> tuple[list, Residuals]:
     """Run the tape forward; returns (flat outputs, residuals).
 
     ``observer.forward_record(record, ins, outs)``, if given, sees every record's
-    values right after it runs (anomaly checks plug in here).
+    values right after it runs (anomaly checks plug in here). ``consts``, if given,
+    replaces the values of the tape's constants (same order).
     """
     env: dict[int, Any] = {v.id: x for v, x in zip(tape.inputs, args)}
-    for v, c in tape.consts:
+    const_vals = [c for _, c in tape.consts] if consts is None else consts
+    for (v, _), c in zip(tape.consts, const_vals):
         env[v.id] = c
 
     last_use: dict[int, int] = {}
@@ -173,7 +201,9 @@ def forward(tape: Tape, args: Sequence[Any], policy: Any = SAVE,
             return
         refs[var_id] = uses
         u = rec.inputs[i]
-        store[var_id] = value if plain else _pack(res, rec, var_id, Saved("in", i, u.shape, u.dtype), value)
+        store[var_id] = (
+            value if plain else _pack(res, rec, var_id, Saved("in", i, u.shape, u.dtype), value)
+        )
 
     for v in list(tape.inputs) + [c for c, _ in tape.consts]:
         if v.id in boundary:
@@ -223,8 +253,10 @@ def _pack(res: Residuals, rec: Record, key, s, value):
     except Exception as e:
         e.add_note(f"tapegrad: raised by {res.policy!r}.pack for residual {info}")
         if isinstance(value, jax.core.Tracer):
-            e.add_note("tapegrad: under jax.jit, pack/unpack run once at trace time on tracers; "
-                       "a pack that needs concrete data (np.asarray, .item()) cannot run there.")
+            e.add_note(
+                "tapegrad: under jax.jit, pack/unpack run once at trace time on tracers; "
+                "a pack that needs concrete data (np.asarray, .item()) cannot run there."
+            )
         raise
 
 
@@ -234,7 +266,8 @@ def _unbroadcast(ct, shape):
         return ct.sum() if ct.ndim else ct
     lead = ct.ndim - len(shape)
     axes = tuple(range(lead)) + tuple(
-        lead + i for i, n in enumerate(shape) if n == 1 and ct.shape[lead + i] != 1)
+        lead + i for i, n in enumerate(shape) if n == 1 and ct.shape[lead + i] != 1
+    )
     if axes:
         ct = ct.sum(axis=axes, keepdims=False)
     return ct.reshape(shape)
@@ -249,7 +282,8 @@ def _fit(ct, var, rec: Record, i: int):
         if not ok:
             raise ResidualError(
                 f"internal: backward of {where(rec)} returned a cotangent of shape "
-                f"{ct.shape} for input {i} of shape {var.shape}")
+                f"{ct.shape} for input {i} of shape {var.shape}"
+            )
         ct = _unbroadcast(ct, var.shape)
     if ct.dtype != var.dtype:
         ct = ct.astype(var.dtype)
@@ -267,19 +301,27 @@ def _unpack(res: Residuals, rec: Record, key, s):
         except Exception as e:
             e.add_note(f"tapegrad: raised by {res.policy!r}.unpack for residual {info}")
             raise
-        if tuple(getattr(value, "shape", ())) != s.shape or as_dtype(
-                getattr(value, "dtype", None)) != s.dtype:
+        if (
+            tuple(getattr(value, "shape", ())) != s.shape
+            or as_dtype(getattr(value, "dtype", None)) != s.dtype
+        ):
             raise ResidualError(
                 f"the residual policy's unpack returned "
-                f"{getattr(value, 'dtype', type(value).__name__)}{list(getattr(value, 'shape', []))}"
+                f"{getattr(value, 'dtype', type(value).__name__)}"
+                f"{list(getattr(value, 'shape', []))}"
                 f" for {s} of {where(rec)}, which saved {s.dtype}{list(s.shape)}. "
-                "unpack must return an array of the shape and dtype that pack received.")
-    if (isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer)
-            and value.is_deleted()):
+                "unpack must return an array of the shape and dtype that pack received."
+            )
+    if (
+        isinstance(value, jax.Array)
+        and not isinstance(value, jax.core.Tracer)
+        and value.is_deleted()
+    ):
         raise ResidualError(
             f"residual {s} of {where(rec)} was deleted (or donated to a jitted call) after it "
             "was saved for backward. Keep the array alive until vjp_fn has run, or pass a "
-            "copy (e.g. jnp.copy(x)) to the call that donates or deletes it.")
+            "copy (e.g. jnp.copy(x)) to the call that donates or deletes it."
+        )
     return value
 
 
@@ -299,8 +341,14 @@ def _saved_values(rec: Record, saves, keys, get) -> tuple[list, list, list]:
     return x, y, aux
 
 
-def backward(tape: Tape, res: Residuals, out_cts: Sequence[Any], retain: bool = True,
-             observer: Any = None, capture: dict[int, Any] | None = None) -> list:
+def backward(
+    tape: Tape,
+    res: Residuals,
+    out_cts: Sequence[Any],
+    retain: bool = True,
+    observer: Any = None,
+    capture: dict[int, Any] | None = None,
+) -> list:
     """Cotangents of the tape's inputs (None where an input gets none).
 
     ``observer.backward_record(record, cts, in_cts)``, if given, sees each rule's
@@ -314,7 +362,8 @@ def backward(tape: Tape, res: Residuals, out_cts: Sequence[Any], retain: bool = 
         raise ResidualError(
             "Trying to run backward through the tape a second time, but its residuals "
             "were released after the first backward. Use tg.vjp(..., "
-            "retain_residuals=True) (the default) to call vjp_fn more than once.")
+            "retain_residuals=True) (the default) to call vjp_fn more than once."
+        )
     cts: dict[int, Any] = {}
 
     def accum(var, ct):
@@ -364,8 +413,11 @@ def backward(tape: Tape, res: Residuals, out_cts: Sequence[Any], retain: bool = 
         wanted = {o.id for o in seg.outputs}
         vals: dict[int, Any] = {}
         for v in seg.inputs:
-            rec0 = next(tape.records[k] for k in seg.records
-                        if any(isinstance(u, Var) and u.id == v.id for u in tape.records[k].inputs))
+            rec0 = next(
+                tape.records[k]
+                for k in seg.records
+                if any(isinstance(u, Var) and u.id == v.id for u in tape.records[k].inputs)
+            )
             vals[v.id] = get(rec0, v.id, Saved("in", 0, v.shape, v.dtype))
         if seg.prevent_cse and any(isinstance(x, jax.core.Tracer) for x in vals.values()):
             # Under a trace, XLA's CSE would merge the recomputation with the forward
@@ -405,7 +457,7 @@ def backward(tape: Tape, res: Residuals, out_cts: Sequence[Any], retain: bool = 
         if prefetch:
             # Start bringing the next records' residuals back now: jax dispatch is
             # asynchronous, so the copies overlap this record's compute.
-            for nxt in order[n + 1:n + 1 + prefetch]:
+            for nxt in order[n + 1 : n + 1 + prefetch]:
                 for s, key in zip(nxt.saves, res.keys.get(nxt.index, ())):
                     if key not in unpacked and key in store:
                         unpacked[key] = _unpack(res, nxt, key, s)

@@ -11,10 +11,10 @@ import os
 from typing import Any
 
 import jax
+from jax._src import core as _core
+from jax._src import source_info_util as _siu  # no public API for user frames
 from jax.extend import core as jex_core
 from jax.extend.core import primitives as jex_prims
-from jax._src import source_info_util as _siu  # no public API for user frames
-from jax._src import core as _core
 
 Literal = jex_core.Literal
 Var = jex_core.Var
@@ -147,7 +147,7 @@ def custom_vjp_backward(params: dict, res: list, cts: list) -> list:
     return [c if _is_array_like(c) else None for c in out]
 
 
-def custom_vjp_residual_avals(params: dict, active: list[bool]) -> list:
+def custom_vjp_residual_avals(params: dict, active: list[bool]) -> tuple[list, Any]:
     num_consts = params["num_consts"]
     fwd_jaxpr, _ = params["fwd_jaxpr_thunk"].call_wrapped(*active[num_consts:])
     _, res_tree, input_fwds = params["out_trees"]()
@@ -157,10 +157,28 @@ def custom_vjp_residual_avals(params: dict, active: list[bool]) -> list:
 
 
 def _is_array_like(x: Any) -> bool:
-    return isinstance(x, (jax.Array, _core.Tracer)) or hasattr(x, "__jax_array__") or (
-        hasattr(x, "shape") and hasattr(x, "dtype") and not type(x).__name__.endswith("Zero")
+    return (
+        isinstance(x, (jax.Array, _core.Tracer))
+        or hasattr(x, "__jax_array__")
+        or (hasattr(x, "shape") and hasattr(x, "dtype") and not type(x).__name__.endswith("Zero"))
     )
 
 
 def eval_closed_jaxpr(closed: ClosedJaxpr, *args):
     return jex_core.jaxpr_as_fun(closed)(*args)
+
+
+def explicit_sharding(var: Any) -> Any:
+    """The traced sharding of a tape value whose mesh has Explicit axes, else None.
+
+    Under Explicit axes the sharding is part of the type, and ops whose result
+    sharding is ambiguous (a dot_general contracting a sharded dimension) need
+    ``out_sharding``; everywhere else None keeps jax's default propagation.
+    """
+    s = getattr(var, "sharding", None)
+    mesh = getattr(s, "mesh", None)
+    if mesh is None or mesh.empty:
+        return None
+    if not any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+        return None
+    return s

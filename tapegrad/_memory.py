@@ -64,7 +64,7 @@ class MemoryReport:
     peak_bytes: int
     input_bytes: int
     timeline: tuple[tuple[str, int], ...] = field(repr=False)
-    tape: Tape = field(repr=False, default=None)
+    tape: Tape | None = field(repr=False, default=None)
     # The same timeline split by where the bytes live: (device, host, compressed) per
     # step, summing to ``timeline``'s bytes. Compressed residuals count as compressed
     # wherever they live; unpacked copies and recomputed values count as device.

@@ -7,9 +7,10 @@ runs (values, residual stores, cotangents) lives in the interpreter.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, cast
 
 import numpy as np
 
@@ -185,7 +186,8 @@ class Record:
         for a derived value."""
         if s.kind == "aux":
             return ("aux", self.index, s.index)
-        return (self.inputs[s.index] if s.kind == "in" else self.outputs[s.index]).id
+        v = self.inputs[s.index] if s.kind == "in" else self.outputs[s.index]
+        return cast(Var, v).id  # a literal input is never saved (the program holds it)
 
     @property
     def in_backward(self) -> bool:
@@ -200,10 +202,21 @@ class Record:
         items = []
         if self.primitive == "custom_vjp_call":  # show the function (tg.Function class) name
             from tapegrad.rules.control import custom_vjp_name
+
             items.append(f"name={custom_vjp_name(self.params)}")
         for k, v in self.params.items():
-            if k in ("jaxpr", "call_jaxpr", "jvp_jaxpr_fun", "fwd_jaxpr_thunk", "bwd",
-                     "out_trees", "branches", "cond_jaxpr", "body_jaxpr", "_prim"):
+            if k in (
+                "jaxpr",
+                "call_jaxpr",
+                "jvp_jaxpr_fun",
+                "fwd_jaxpr_thunk",
+                "bwd",
+                "out_trees",
+                "branches",
+                "cond_jaxpr",
+                "body_jaxpr",
+                "_prim",
+            ):
                 v = "…"
             items.append(f"{k}={v}")
         return items
@@ -290,8 +303,12 @@ class Tape:
             for s in rec.saves:
                 key = rec.residual_key(s)
                 if key not in recomputed:
-                    kept.setdefault(key, s if s.kind == "aux" else
-                                    (rec.inputs[s.index] if s.kind == "in" else rec.outputs[s.index]))
+                    kept.setdefault(
+                        key,
+                        s
+                        if s.kind == "aux"
+                        else (rec.inputs[s.index] if s.kind == "in" else rec.outputs[s.index]),
+                    )
         for seg in self.segments:
             for v in seg.inputs:
                 kept.setdefault(v.id, v)

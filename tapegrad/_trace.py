@@ -13,20 +13,32 @@ and decides, per record, what it saves for backward:
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from types import MappingProxyType
+from typing import Any
 
 import jax
 
 from tapegrad import _jax_compat as compat
-from tapegrad._tape import Lit, Record, Region, Saved, Tape, Var, as_dtype, frozen_params
+from tapegrad._tape import Lit, Record, Region, Saved, Tape, Var, as_dtype
 from tapegrad.errors import ReverseModeError
 from tapegrad.rules import FALLBACK, NONDIFF, WHILE_ERROR, lookup
 
 __all__ = ["trace_flat", "is_differentiable_dtype"]
 
 
+_DIFFERENTIABLE: dict[Any, bool] = {}
+
+
 def is_differentiable_dtype(dtype: Any) -> bool:
-    return jax.numpy.issubdtype(dtype, jax.numpy.inexact)
+    # Asked for every value of every trace; jnp.issubdtype costs microseconds a call.
+    try:
+        return _DIFFERENTIABLE[dtype]
+    except KeyError:
+        out = _DIFFERENTIABLE[dtype] = bool(jax.numpy.issubdtype(dtype, jax.numpy.inexact))
+        return out
+    except TypeError:  # an unhashable dtype-like
+        return bool(jax.numpy.issubdtype(dtype, jax.numpy.inexact))
 
 
 class _Raw:
@@ -48,10 +60,16 @@ class _Builder:
         self.regions: list[Region] = []
 
     def new_var(self, aval) -> Var:
-        return Var(next(self.counter), tuple(aval.shape), as_dtype(aval.dtype))
+        return Var(
+            next(self.counter),
+            tuple(aval.shape),
+            as_dtype(aval.dtype),
+            getattr(aval, "sharding", None),
+        )
 
-    def convert(self, jaxpr, consts: Sequence[Any], in_vals: Sequence[Var | Lit],
-                region: int | None = None) -> list[Var | Lit]:
+    def convert(
+        self, jaxpr, consts: Sequence[Any], in_vals: Sequence[Var | Lit], region: int | None = None
+    ) -> list[Var | Lit]:
         env: dict[Any, Var | Lit] = {}
         for v, c in zip(jaxpr.constvars, consts):
             var = self.new_var(v.aval)
@@ -71,11 +89,13 @@ class _Builder:
             name = eqn.primitive.name
             if name in compat.INLINE_CALLS:
                 sub = compat.sub_jaxpr(eqn.params)
+                assert sub is not None  # every INLINE_CALLS primitive carries its callee
                 outs = self.convert(sub.jaxpr, sub.consts, ins, region)
                 for v, o in zip(eqn.outvars, outs):
                     env[v] = o
                 continue
-            remat = compat.remat_parts(name, eqn.params)
+            special = name in _SPECIAL
+            remat = compat.remat_parts(name, eqn.params) if special else None
             if remat is not None:
                 # A checkpointed call is inlined: its records are visible on the tape,
                 # tagged with their region, whose policy decides what is recomputed.
@@ -87,16 +107,21 @@ class _Builder:
                 for v, o in zip(eqn.outvars, outs):
                     env[v] = o
                 continue
-            names = ()
-            cp_name = compat.checkpoint_name_of(name, eqn.params)
+            names: tuple[str, ...] = ()
+            cp_name = compat.checkpoint_name_of(name, eqn.params) if special else None
             if cp_name is not None:
                 name, names = "name", (cp_name,)
             outs = [self.new_var(v.aval) for v in eqn.outvars]
             for v, o in zip(eqn.outvars, outs):
                 env[v] = o
-            self.raws.append(_Raw(eqn.primitive, name, eqn.params, ins, outs, eqn.source_info,
-                                  region, names))
+            self.raws.append(
+                _Raw(eqn.primitive, name, eqn.params, ins, outs, eqn.source_info, region, names)
+            )
         return [read(v) for v in jaxpr.outvars]
+
+
+# The equations that may be a checkpoint or a checkpoint_name, in either remat spelling.
+_SPECIAL = compat.REMAT_NAMES | {"call_hi_primitive", "name"}
 
 
 def frame_str(source_info) -> str:
@@ -123,6 +148,23 @@ def trace_flat(
     ``diff_outputs`` whether each output receives a cotangent (default: all).
     """
     closed = jax.make_jaxpr(flat_fun)(*flat_args)
+    return tape_from_jaxpr(
+        closed,
+        active_inputs,
+        diff_outputs,
+        in_tree,
+        out_tree_fn() if out_tree_fn is not None else None,
+    )
+
+
+def tape_from_jaxpr(
+    closed,
+    active_inputs: Sequence[bool],
+    diff_outputs: Any = None,
+    in_tree: Any = None,
+    out_tree: Any = None,
+) -> Tape:
+    """Convert a `ClosedJaxpr` into a `Tape` (see `trace_flat`)."""
     b = _Builder()
     in_vars = [b.new_var(v.aval) for v in closed.jaxpr.invars]
     outs = b.convert(closed.jaxpr, closed.consts, in_vars)
@@ -136,8 +178,9 @@ def trace_flat(
         diff = list(diff_outputs)
 
     # Forward: which values depend on a differentiated input.
-    active: set[int] = {v.id for v, a in zip(in_vars, active_inputs)
-                        if a and is_differentiable_dtype(v.dtype)}
+    active: set[int] = {
+        v.id for v, a in zip(in_vars, active_inputs) if a and is_differentiable_dtype(v.dtype)
+    }
     for raw in b.raws:
         if raw.name in NONDIFF:
             continue
@@ -147,8 +190,9 @@ def trace_flat(
                     active.add(o.id)
 
     # Backward: which active values reach a differentiated output.
-    useful: set[int] = {o.id for o, d in zip(outs, diff)
-                        if d and isinstance(o, Var) and o.id in active}
+    useful: set[int] = {
+        o.id for o, d in zip(outs, diff) if d and isinstance(o, Var) and o.id in active
+    }
     in_bwd: list[bool] = [False] * len(b.raws)
     for k in range(len(b.raws) - 1, -1, -1):
         raw = b.raws[k]
@@ -162,22 +206,47 @@ def trace_flat(
 
     records = []
     for k, raw in enumerate(b.raws):
-        params = frozen_params(raw.params)
-        bind_params = raw.prim.get_bind_params(dict(raw.params))
+        # A read-only view, not a copy: jax never mutates an equation's params, and
+        # get_bind_params returns them as they are for plain primitives (call-like ones copy).
+        params = MappingProxyType(raw.params)
+        bind_params = raw.prim.get_bind_params(raw.params)
+        ins, outs_k = tuple(raw.inputs), tuple(raw.outputs)
         if not in_bwd[k]:
-            records.append(Record(k, raw.name, tuple(raw.inputs), tuple(raw.outputs), params,
-                                  region=raw.region, names=raw.names,
-                                  prim=raw.prim, source_info=raw.source_info,
-                                  bind_params=bind_params))
+            records.append(
+                Record(
+                    k,
+                    raw.name,
+                    ins,
+                    outs_k,
+                    params,
+                    region=raw.region,
+                    names=raw.names,
+                    prim=raw.prim,
+                    source_info=raw.source_info,
+                    bind_params=bind_params,
+                )
+            )
             continue
-        act = tuple(isinstance(i, Var) and i.id in active and i.id in useful for i in raw.inputs)
+        act_in = tuple(type(i) is Var and i.id in active and i.id in useful for i in ins)
         rule = _rule_for(raw)
-        proto = Record(k, raw.name, tuple(raw.inputs), tuple(raw.outputs), params,
-                       active=act, rule=rule.kind, prim=raw.prim, source_info=raw.source_info)
         if rule.kind == "error":
-            raise ReverseModeError(WHILE_ERROR(proto))
-        refs = rule.saves(params, proto.inputs, proto.outputs, act)
-        aux = list(rule.aux_avals(params, proto.inputs, proto.outputs, act)) if rule.aux_avals else []
+            raise ReverseModeError(
+                WHILE_ERROR(
+                    Record(
+                        k,
+                        raw.name,
+                        ins,
+                        outs_k,
+                        params,
+                        active=act_in,
+                        rule=rule.kind,
+                        prim=raw.prim,
+                        source_info=raw.source_info,
+                    )
+                )
+            )
+        refs = rule.saves(params, ins, outs_k, act_in)
+        aux = list(rule.aux_avals(params, ins, outs_k, act_in)) if rule.aux_avals else []
         saves = []
         for kind, idx in refs:
             if kind == "in":
@@ -189,11 +258,23 @@ def trace_flat(
             else:
                 v = aux[idx]
             saves.append(Saved(kind, idx, tuple(v.shape), as_dtype(v.dtype)))
-        records.append(Record(k, raw.name, tuple(raw.inputs), tuple(raw.outputs), params,
-                              saves=tuple(saves), active=act, rule=rule.kind,
-                              region=raw.region, names=raw.names,
-                              prim=raw.prim, source_info=raw.source_info,
-                              bind_params=bind_params))
+        records.append(
+            Record(
+                k,
+                raw.name,
+                ins,
+                outs_k,
+                params,
+                saves=tuple(saves),
+                active=act_in,
+                rule=rule.kind,
+                region=raw.region,
+                names=raw.names,
+                prim=raw.prim,
+                source_info=raw.source_info,
+                bind_params=bind_params,
+            )
+        )
 
     return Tape(
         inputs=tuple(in_vars),
@@ -202,7 +283,6 @@ def trace_flat(
         consts=tuple(b.consts),
         active_inputs=tuple(bool(a) for a in active_inputs),
         in_tree=in_tree,
-        out_tree=out_tree_fn() if out_tree_fn is not None else None,
+        out_tree=out_tree,
         regions=tuple(b.regions),
     )
-

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,17 +20,21 @@ from jax import tree_util
 from tapegrad import _anomaly
 from tapegrad import passes as _passes
 from tapegrad._checkpoint import plan_recompute
+from tapegrad._fused import run_grad
 from tapegrad._interpret import backward, forward
 from tapegrad._tape import Tape
 from tapegrad._trace import trace_flat
-from tapegrad.policies._base import resolve_policy
+from tapegrad.policies._base import is_plain, resolve_policy
 
 __all__ = ["grad", "value_and_grad", "vjp", "trace"]
 
 
 def _is_array_leaf(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex, bool)) or hasattr(
-        x, "__jax_array__") or isinstance(x, jax.core.Tracer)
+    return (
+        isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex, bool))
+        or hasattr(x, "__jax_array__")
+        or isinstance(x, jax.core.Tracer)
+    )
 
 
 def _check_leaves(leaves, fun_name: str) -> None:
@@ -38,7 +43,8 @@ def _check_leaves(leaves, fun_name: str) -> None:
             raise TypeError(
                 f"Argument {x!r} of type {type(x)} passed to {fun_name} is not a valid JAX type. "
                 "Pass arrays (or pytrees of arrays); mark other arguments static with "
-                "functools.partial or a closure.")
+                "functools.partial or a closure."
+            )
 
 
 def _argnums_tuple(argnums: int | Sequence[int], n_args: int, fun_name: str) -> tuple[int, ...]:
@@ -53,16 +59,19 @@ def _argnums_tuple(argnums: int | Sequence[int], n_args: int, fun_name: str) -> 
                 f"{fun_name}: differentiating with respect to argnums={argnums} requires at "
                 f"least {a + 1} positional arguments to be passed by the caller, but got only "
                 f"{n_args}. Pass the differentiated arguments positionally (not by keyword), "
-                f"or use argnums within range(0, {n_args}).")
+                f"or use argnums within range(0, {n_args})."
+            )
         if a < -n_args:
             raise ValueError(
                 f"{fun_name}: argnums={argnums} is out of range for a function called with "
                 f"{n_args} positional argument(s). Pass argnums within range({-n_args}, "
-                f"{n_args}).")
+                f"{n_args})."
+            )
     out = tuple(int(a) % n_args for a in nums)
     if len(set(out)) != len(out):
-        raise ValueError(f"{fun_name}: argnums={argnums} names an argument twice. "
-                         "Pass each argument index once.")
+        raise ValueError(
+            f"{fun_name}: argnums={argnums} names an argument twice. Pass each argument index once."
+        )
     return out
 
 
@@ -74,15 +83,18 @@ def _check_input_dtype(x, allow_int: bool, holomorphic: bool, fun_name: str) -> 
     dt = _dtype_of(x)
     if holomorphic:
         if not jnp.issubdtype(dt, jnp.complexfloating):
-            raise TypeError(f"{fun_name} with holomorphic=True requires inputs with complex dtype, "
-                            f"but got {dt.name}.")
+            raise TypeError(
+                f"{fun_name} with holomorphic=True requires inputs with complex dtype, "
+                f"but got {dt.name}."
+            )
     if jnp.issubdtype(dt, jnp.inexact):
         return
     if not allow_int and (jnp.issubdtype(dt, jnp.integer) or jnp.issubdtype(dt, jnp.bool_)):
         raise TypeError(
             f"{fun_name} requires real- or complex-valued inputs (input dtype that is a sub-dtype "
             f"of np.inexact), but got {dt.name}. If you want to use Boolean- or integer-valued "
-            "inputs, use vjp or set allow_int to True.")
+            "inputs, use vjp or set allow_int to True."
+        )
     if not jnp.issubdtype(dt, jnp.integer) and not jnp.issubdtype(dt, jnp.bool_):
         raise TypeError(f"{fun_name} requires numerical-valued inputs, but got {dt.name}.")
 
@@ -97,8 +109,17 @@ def _zero_cotangent(x):
 class _Traced:
     """A traced function: its tape and how to map flat values back to pytrees."""
 
-    def __init__(self, fun: Callable, args: tuple, active_leaf: Callable[[int], bool], has_aux: bool,
-                 fun_name: str, policy: Any = None, passes: Any = None, anomaly: Any = None):
+    def __init__(
+        self,
+        fun: Callable,
+        args: tuple,
+        active_leaf: Callable[[int], bool],
+        has_aux: bool,
+        fun_name: str,
+        policy: Any = None,
+        passes: Any = None,
+        anomaly: Any = None,
+    ):
         flat, in_tree = tree_util.tree_flatten(args)
         _check_leaves(flat, fun_name)
         self.in_tree = in_tree
@@ -112,30 +133,54 @@ class _Traced:
                     raise TypeError(
                         f"{fun_name} with has_aux=True requires the function to return a pair "
                         f"(output, aux), but it returned {type(out).__name__}"
-                        f"{' of length ' + str(len(out)) if isinstance(out, (tuple, list)) else ''}.")
+                        f"{_length_note(out)}."
+                    )
                 out, aux = out
             else:
                 aux = None
             out_flat, trees["out"] = tree_util.tree_flatten(out)
             aux_flat, trees["aux"] = tree_util.tree_flatten(aux)
             trees["n_out"] = len(out_flat)
+            # Like jax.vjp / jax.grad(has_aux=True), a leaf that is not traced (a Python
+            # int, a closed-over array) comes back as the very object the function returned,
+            # not as the typed literal or constant that make_jaxpr turns it into.
+            trees["untraced"] = {
+                k: x
+                for k, x in enumerate(out_flat + aux_flat)
+                if not isinstance(x, jax.core.Tracer)
+            }
             return out_flat + aux_flat
 
         # jax names the traced function in its errors (a leaked tracer, a value needed
         # concretely): name the user's function, keep the flat signature for arg names.
-        flat_fun.__signature__ = inspect.signature(flat_fun)
-        flat_fun.__wrapped__ = _user_function(fun)
+        flat_fun.__signature__ = inspect.signature(flat_fun)  # type: ignore[attr-defined]
+        flat_fun.__wrapped__ = _user_function(fun)  # type: ignore[attr-defined]
         active = [active_leaf(i) for i in range(len(flat))]
-        with _anomaly.leak_check(anomaly, flat_fun.__wrapped__):
+        with _anomaly.leak_check(anomaly, _user_function(fun)):
             self.tape: Tape = trace_flat(
-                flat_fun, flat, active,
+                flat_fun,
+                flat,
+                active,
                 diff_outputs=lambda n: [True] * trees["n_out"] + [False] * (n - trees["n_out"]),
-                in_tree=in_tree, out_tree_fn=lambda: trees["out"])
+                in_tree=in_tree,
+                out_tree_fn=lambda: trees["out"],
+            )
         self.tape = _passes.run(_passes.check_rules(self.tape), passes)
         self.tape = _passes.check_effects(plan_recompute(self.tape, policy))
         self.out_tree = trees["out"]
         self.aux_tree = trees["aux"]
         self.n_out = trees["n_out"]
+        self.untraced = trees["untraced"]
+
+    def restore(self, flat_out: list) -> list:
+        """The flat outputs, with untraced leaves replaced by the objects returned."""
+        if not self.untraced:
+            return flat_out
+        return [self.untraced.get(k, v) for k, v in enumerate(flat_out)]
+
+
+def _length_note(out: Any) -> str:
+    return f" of length {len(out)}" if isinstance(out, (tuple, list)) else ""
 
 
 def _user_function(fun: Callable) -> Callable:
@@ -144,7 +189,7 @@ def _user_function(fun: Callable) -> Callable:
         if isinstance(fun, functools.partial):
             fun = fun.func
         elif getattr(fun, "__wrapped__", None) is not None:
-            fun = fun.__wrapped__
+            fun = fun.__wrapped__  # type: ignore[attr-defined]
         else:
             break
     return fun
@@ -157,8 +202,15 @@ def _leaf_owners(args: tuple) -> list[int]:
     return owners
 
 
-def vjp(fun: Callable, *primals: Any, has_aux: bool = False, policy: Any = None,
-        anomaly: Any = None, passes: Any = None, retain_residuals: bool = True):
+def vjp(
+    fun: Callable,
+    *primals: Any,
+    has_aux: bool = False,
+    policy: Any = None,
+    anomaly: Any = None,
+    passes: Any = None,
+    retain_residuals: bool = True,
+):
     """Like `jax.vjp`: returns ``(out, vjp_fn)`` or ``(out, vjp_fn, aux)``.
 
     ``vjp_fn(ct)`` returns a tuple with one cotangent per primal. Residuals go
@@ -176,7 +228,8 @@ def vjp(fun: Callable, *primals: Any, has_aux: bool = False, policy: Any = None,
     flat_out, res = forward(t.tape, t.flat, pol, observer=obs)
     if obs is not None:
         flat_out = obs.forward_done(t.flat, flat_out)
-    out = tree_util.tree_unflatten(t.out_tree, flat_out[: t.n_out])
+    returned = t.restore(flat_out)
+    out = tree_util.tree_unflatten(t.out_tree, returned[: t.n_out])
     tape, flat_primals, in_tree, out_tree = t.tape, t.flat, t.in_tree, t.out_tree
 
     def vjp_fn(ct):
@@ -184,36 +237,53 @@ def vjp(fun: Callable, *primals: Any, has_aux: bool = False, policy: Any = None,
         if ct_tree != out_tree:
             raise ValueError(  # ValueError, like jax
                 f"vjp_fn: the cotangent has tree structure {ct_tree}, but the function's output "
-                f"has {out_tree}. Pass a cotangent with the output's structure.")
+                f"has {out_tree}. Pass a cotangent with the output's structure."
+            )
         for c, o in zip(ct_flat, flat_out):
             if np.shape(c) != np.shape(o):
                 raise ValueError(
                     f"vjp_fn: cotangent shape {np.shape(c)} does not match the output's shape "
-                    f"{np.shape(o)}.")
+                    f"{np.shape(o)}."
+                )
             want = _dtype_of(o)
             if jnp.issubdtype(want, jnp.inexact) and jax.typeof(c).dtype != want:
                 raise ValueError(
                     f"vjp_fn: cotangent dtype {jax.typeof(c).dtype} does not match the output's "
-                    f"dtype {want}. Pass a cotangent of the output's dtype.")
+                    f"dtype {want}. Pass a cotangent of the output's dtype."
+                )
         bobs = obs.fresh() if obs is not None else None
         if bobs is not None:
             bobs.cotangents_in(ct_flat)
-        in_cts = backward(tape, res, list(ct_flat) + [None] * (len(flat_out) - t.n_out),
-                          retain=retain_residuals, observer=bobs)
+        in_cts = backward(
+            tape,
+            res,
+            list(ct_flat) + [None] * (len(flat_out) - t.n_out),
+            retain=retain_residuals,
+            observer=bobs,
+        )
         if bobs is not None:
             in_cts = bobs.backward_done(in_cts)
         in_cts = [c if c is not None else _zero_cotangent(x) for c, x in zip(in_cts, flat_primals)]
         return tuple(tree_util.tree_unflatten(in_tree, in_cts))
 
     if has_aux:
-        aux = tree_util.tree_unflatten(t.aux_tree, flat_out[t.n_out:])
+        aux = tree_util.tree_unflatten(t.aux_tree, returned[t.n_out :])
         return out, vjp_fn, aux
     return out, vjp_fn
 
 
-def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
-                   holomorphic: bool = False, allow_int: bool = False, *, policy: Any = None,
-                   anomaly: Any = None, passes: Any = None, intermediates: Sequence[str] = ()):
+def value_and_grad(
+    fun: Callable,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    allow_int: bool = False,
+    *,
+    policy: Any = None,
+    anomaly: Any = None,
+    passes: Any = None,
+    intermediates: Sequence[str] = (),
+):
     """Like `jax.value_and_grad`, on tapegrad's tape and rules.
 
     ``intermediates=("h1", ...)`` also returns the cotangents of values tagged with
@@ -251,39 +321,35 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
         mode = _anomaly.resolve(anomaly)
         t = _Traced(f_dyn, dyn, lambda i: True, has_aux, "grad", pol, passes, mode)
         obs = _anomaly.observer(mode, t.tape, t.in_tree)  # None when anomaly mode is off
-        flat_out, res = forward(t.tape, t.flat, pol, observer=obs)
-        if obs is not None:  # eagerly, a NaN in forward raises before backward runs
-            obs.forward_done(t.flat, defer_traced=True)
-        is_leaf = tree_util.treedef_is_leaf(t.out_tree)  # like jax, {"loss": x} is not a scalar
-        if t.n_out != 1 or not is_leaf or np.shape(flat_out[0]) != ():
-            what = (f"Output had shape: {np.shape(flat_out[0])}" if t.n_out == 1 and is_leaf
-                    else f"Output was a pytree {t.out_tree} of {t.n_out} array(s)")
-            raise TypeError(
-                f"Gradient only defined for scalar-output functions. {what}. Reduce the output "
-                "to a scalar array (e.g. .sum()), return extra values with has_aux=True, or use "
-                "tg.vjp.")
+        fused = None
+        if obs is None and is_plain(pol):
+            # Nothing observes single records: try forward+backward as one compiled call.
+            ydt = _check_grad_output(t, holomorphic)
+            capture = _named_vars(t.tape, intermediates)
+            fused = run_grad(t.tape, t.flat, ydt, tuple(capture or ()))
+        if fused is not None:
+            flat_out, in_cts, captured = fused
+            if capture:
+                capture.update(zip(capture, captured))
+        else:
+            flat_out, res = forward(t.tape, t.flat, pol, observer=obs)
+            if obs is not None:  # eagerly, a NaN in forward raises before backward runs
+                obs.forward_done(t.flat, defer_traced=True)
+            ydt = _check_grad_output(t, holomorphic)
+            capture = _named_vars(t.tape, intermediates)
+            in_cts = backward(
+                t.tape,
+                res,
+                [jnp.ones((), ydt)] + [None] * (len(flat_out) - 1),
+                retain=False,
+                observer=obs,
+                capture=capture,
+            )
         y = flat_out[0]
-        ydt = _dtype_of(y)
-        if holomorphic and not jnp.issubdtype(ydt, jnp.complexfloating):
-            raise TypeError(
-                f"grad with holomorphic=True requires outputs with complex dtype, but got "
-                f"{ydt.name}. Drop holomorphic=True for a real-valued output.")
-        if not holomorphic and jnp.issubdtype(ydt, jnp.complexfloating):
-            raise TypeError(
-                "grad requires real-valued outputs (output dtype that is a sub-dtype of "
-                f"np.floating), but got {ydt.name}. For holomorphic differentiation, pass "
-                "holomorphic=True. For differentiating non-holomorphic functions involving "
-                "complex outputs, use tg.vjp directly.")
-        if not holomorphic and not jnp.issubdtype(ydt, jnp.floating):
-            raise TypeError(
-                "grad requires real-valued outputs (output dtype that is a sub-dtype of "
-                f"np.floating), but got {ydt.name}. For differentiation of functions with "
-                "integer outputs, use tg.vjp directly.")
-        capture = _named_vars(t.tape, intermediates)
-        in_cts = backward(t.tape, res, [jnp.ones((), ydt)] + [None] * (len(flat_out) - 1),
-                          retain=False, observer=obs, capture=capture)
         if obs is not None:  # under a trace, ties the checks to the value and the gradients
             y, *in_cts = obs.backward_done([y, *in_cts])
+        flat_out = t.restore([y] + list(flat_out[1:]))
+        y = flat_out[0]
         in_cts = [c if c is not None else _zero_cotangent(x) for c, x in zip(in_cts, t.flat)]
         ct_args = tree_util.tree_unflatten(t.in_tree, in_cts)
         grads = ct_args[0] if single else tuple(ct_args)
@@ -297,6 +363,43 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
     return value_and_grad_f
 
 
+def _check_grad_output(t: _Traced, holomorphic: bool):
+    """The output's dtype, after checking that it is a real (or, holomorphic, complex) scalar."""
+    is_leaf = tree_util.treedef_is_leaf(t.out_tree)  # like jax, {"loss": x} is not a scalar
+    shape = t.tape.outputs[0].shape if t.n_out == 1 else None
+    if t.n_out != 1 or not is_leaf or shape != ():
+        what = (
+            f"Output had shape: {shape}"
+            if t.n_out == 1 and is_leaf
+            else f"Output was a pytree {t.out_tree} of {t.n_out} array(s)"
+        )
+        raise TypeError(
+            f"Gradient only defined for scalar-output functions. {what}. Reduce the output "
+            "to a scalar array (e.g. .sum()), return extra values with has_aux=True, or use "
+            "tg.vjp."
+        )
+    ydt = t.tape.outputs[0].dtype
+    if holomorphic and not jnp.issubdtype(ydt, jnp.complexfloating):
+        raise TypeError(
+            f"grad with holomorphic=True requires outputs with complex dtype, but got "
+            f"{ydt.name}. Drop holomorphic=True for a real-valued output."
+        )
+    if not holomorphic and jnp.issubdtype(ydt, jnp.complexfloating):
+        raise TypeError(
+            "grad requires real-valued outputs (output dtype that is a sub-dtype of "
+            f"np.floating), but got {ydt.name}. For holomorphic differentiation, pass "
+            "holomorphic=True. For differentiating non-holomorphic functions involving "
+            "complex outputs, use tg.vjp directly."
+        )
+    if not holomorphic and not jnp.issubdtype(ydt, jnp.floating):
+        raise TypeError(
+            "grad requires real-valued outputs (output dtype that is a sub-dtype of "
+            f"np.floating), but got {ydt.name}. For differentiation of functions with "
+            "integer outputs, use tg.vjp directly."
+        )
+    return ydt
+
+
 def _named_vars(tape: Tape, names: Sequence[str]) -> dict[int, Any] | None:
     if not names:
         return None
@@ -305,7 +408,8 @@ def _named_vars(tape: Tape, names: Sequence[str]) -> dict[int, Any] | None:
     if missing:
         raise ValueError(
             f"intermediates={tuple(names)}: no value is tagged {missing} in this function "
-            f"(tagged: {sorted(found) or 'none'}). Tag a value with tg.name(x, \"...\").")
+            f'(tagged: {sorted(found) or "none"}). Tag a value with tg.name(x, "...").'
+        )
     return {found[n].id: None for n in names}
 
 
@@ -319,17 +423,35 @@ def _captured(tape: Tape, capture: dict[int, Any], names: Sequence[str]) -> dict
     return out
 
 
-def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
-         holomorphic: bool = False, allow_int: bool = False, *, policy: Any = None,
-         anomaly: Any = None, passes: Any = None, intermediates: Sequence[str] = ()):
+def grad(
+    fun: Callable,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    allow_int: bool = False,
+    *,
+    policy: Any = None,
+    anomaly: Any = None,
+    passes: Any = None,
+    intermediates: Sequence[str] = (),
+):
     """Like `jax.grad`: the gradient of a scalar function, from tapegrad's tape.
 
     ```python
     g = tg.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w)))(w, x)
     ```
     """
-    vg = value_and_grad(fun, argnums, has_aux, holomorphic, allow_int, policy=policy,
-                        anomaly=anomaly, passes=passes, intermediates=intermediates)
+    vg = value_and_grad(
+        fun,
+        argnums,
+        has_aux,
+        holomorphic,
+        allow_int,
+        policy=policy,
+        anomaly=anomaly,
+        passes=passes,
+        intermediates=intermediates,
+    )
 
     @functools.wraps(fun)
     def grad_f(*args, **kwargs):
@@ -341,8 +463,13 @@ def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
     return grad_f
 
 
-def trace(fun: Callable, argnums: int | Sequence[int] | None = None, *, policy: Any = None,
-          passes: Any = None):
+def trace(
+    fun: Callable,
+    argnums: int | Sequence[int] | None = None,
+    *,
+    policy: Any = None,
+    passes: Any = None,
+):
     """Like `jax.make_jaxpr`, but returns tapegrad's `Tape`.
 
     Inputs in ``argnums`` (default: every float input) are treated as
@@ -354,7 +481,14 @@ def trace(fun: Callable, argnums: int | Sequence[int] | None = None, *, policy: 
     def trace_f(*args):
         owners = _leaf_owners(args)
         nums = None if argnums is None else _argnums_tuple(argnums, len(args), "trace")
-        return _Traced(fun, args, lambda i: nums is None or owners[i] in nums, False,
-                       "trace", resolve_policy(policy), passes).tape
+        return _Traced(
+            fun,
+            args,
+            lambda i: nums is None or owners[i] in nums,
+            False,
+            "trace",
+            resolve_policy(policy),
+            passes,
+        ).tape
 
     return trace_f

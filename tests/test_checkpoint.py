@@ -23,21 +23,23 @@ def block(h, w):
 
 def make(n, width=32, batch=16, seed=0):
     ks = jax.random.split(jax.random.key(seed), n + 1)
-    return [jax.random.normal(k, (width, width)) / 6 for k in ks[:n]], jax.random.normal(ks[n], (batch, width))
+    return [jax.random.normal(k, (width, width)) / 6 for k in ks[:n]], jax.random.normal(
+        ks[n], (batch, width)
+    )
 
 
 def plain(ws, x):
     h = x
     for w in ws:
         h = block(h, w)
-    return jnp.sum(h ** 2)
+    return jnp.sum(h**2)
 
 
 def per_layer(ws, x):
     h = x
     for w in ws:
         h = tg.checkpoint(block)(h, w)
-    return jnp.sum(h ** 2)
+    return jnp.sum(h**2)
 
 
 def sequential(ws, x, segments="sqrt"):
@@ -51,16 +53,21 @@ def test_checkpointed_gradients_equal_jax(fn, jit):
     ws, x = make(6)
     g = tg.grad(fn, argnums=(0, 1))
     g = jax.jit(g) if jit else g
-    chex.assert_trees_all_close(g(ws, x), jax.grad(plain, argnums=(0, 1))(ws, x), rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(
+        g(ws, x), jax.grad(plain, argnums=(0, 1))(ws, x), rtol=1e-5, atol=1e-6
+    )
     # The same code runs under plain jax.grad.
     chex.assert_trees_all_close(jax.grad(fn)(ws, x), jax.grad(plain)(ws, x), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("policy,saved", [
-    (jax.checkpoint_policies.dots_saveable, {"dot_general"}),
-    (jax.checkpoint_policies.nothing_saveable, set()),
-    (jax.checkpoint_policies.everything_saveable, {"dot_general", "sin", "tanh"}),
-])
+@pytest.mark.parametrize(
+    "policy,saved",
+    [
+        (jax.checkpoint_policies.dots_saveable, {"dot_general"}),
+        (jax.checkpoint_policies.nothing_saveable, set()),
+        (jax.checkpoint_policies.everything_saveable, {"dot_general", "sin", "tanh"}),
+    ],
+)
 def test_jax_checkpoint_policies_decide_records(policy, saved):
     ws, x = make(2)
 
@@ -68,7 +75,7 @@ def test_jax_checkpoint_policies_decide_records(policy, saved):
         h = x
         for w in ws:
             h = jax.checkpoint(block, policy=policy)(h, w)
-        return jnp.sum(h ** 2)
+        return jnp.sum(h**2)
 
     tape = tg.trace(f)(ws, x)
     inside = [r for r in tape.records if r.region is not None]
@@ -82,6 +89,7 @@ def test_save_only_these_names_matches_jax_both_remat_settings():
         def body(x):
             a = checkpoint_name(jnp.sin(x), "a")
             return jnp.sum(jnp.cos(a) * jnp.exp(x))
+
         return jax.checkpoint(body, policy=jax.checkpoint_policies.save_only_these_names("a"))(x)
 
     x = jnp.linspace(0.1, 1, 5)
@@ -105,7 +113,9 @@ def test_selective_always_never_and_prefer_without_budget():
     assert {r.decision for r in tape.records if r.primitive == "dot_general"} == {"save"}
     assert {r.decision for r in tape.records if r.primitive in ("sin", "tanh")} == {"recompute"}
     assert tape.segments
-    chex.assert_trees_all_close(tg.grad(plain, policy=sac)(ws, x), jax.grad(plain)(ws, x), rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(
+        tg.grad(plain, policy=sac)(ws, x), jax.grad(plain)(ws, x), rtol=1e-5, atol=1e-6
+    )
     never = tg.selective(lambda r: P.NEVER)
     assert tg.trace(plain, policy=never)(ws, x).saved_bytes < tg.trace(plain)(ws, x).saved_bytes
 
@@ -118,7 +128,7 @@ def test_selective_passed_to_checkpoint_and_jax_grad():
         h = x
         for w in ws:
             h = tg.checkpoint(block, policy=sac)(h, w)
-        return jnp.sum(h ** 2)
+        return jnp.sum(h**2)
 
     tape = tg.trace(f)(ws, x)
     assert {r.decision for r in tape.records if r.primitive == "dot_general"} == {"save"}
@@ -128,11 +138,14 @@ def test_selective_passed_to_checkpoint_and_jax_grad():
 
 def test_selective_with_offload_base_keeps_saved_dots_on_host():
     ws, x = make(3)
-    sac = tg.selective(lambda r: P.ALWAYS if r.primitive == "dot_general" else P.NEVER,
-                       base=tg.policies.offload())
+    sac = tg.selective(
+        lambda r: P.ALWAYS if r.primitive == "dot_general" else P.NEVER, base=tg.policies.offload()
+    )
     rep = tg.memory_report(plain, policy=sac)(ws, x)
     assert rep.host_bytes > 0 and rep.device_bytes == 0
-    chex.assert_trees_all_close(tg.grad(plain, policy=sac)(ws, x), jax.grad(plain)(ws, x), rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(
+        tg.grad(plain, policy=sac)(ws, x), jax.grad(plain)(ws, x), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_checkpoint_sequential_segments_follow_pytorch():
@@ -167,7 +180,7 @@ def test_dropout_with_explicit_keys_is_bit_identical_under_recompute():
         for i, w in enumerate(ws):
             k = jax.random.key(i)
             h = tg.checkpoint(noisy)(h, w, k) if ckpt else noisy(h, w, k)
-        return jnp.sum(h ** 2)
+        return jnp.sum(h**2)
 
     a = tg.grad(lambda ws, x: f(ws, x, True))(ws, x)
     b = tg.grad(lambda ws, x: f(ws, x, False))(ws, x)
@@ -187,7 +200,7 @@ def test_peak_residual_memory_scales_as_promised(n):
     save, layer, seq = peak(plain), peak(per_layer), peak(sequential)
     assert save == pytest.approx(3 * n, abs=2)  # three activations a layer
     assert layer <= n + 4  # N layer inputs + one layer's activations
-    assert seq <= 5 * n ** 0.5 + 3 * (n - (round(n ** 0.5) - 1) * (n // round(n ** 0.5)))
+    assert seq <= 5 * n**0.5 + 3 * (n - (round(n**0.5) - 1) * (n // round(n**0.5)))
 
 
 def test_peak_agrees_with_live_arrays_during_backward():
@@ -218,6 +231,7 @@ def test_recomputation_survives_cse_under_jit():
 
 # --- the budget planner ---------------------------------------------------------
 
+
 @pytest.mark.parametrize("frac", [0.75, 0.5, 0.35])
 def test_budget_planner_fits_and_keeps_gradients(frac):
     ws, x = make(16)
@@ -227,8 +241,12 @@ def test_budget_planner_fits_and_keeps_gradients(frac):
     rep = tg.memory_report(plain, argnums=(0, 1), policy=policy)(ws, x)
     assert rep.peak_bytes - rep.input_bytes <= int(full_act * frac)  # measured by the report
     assert policy.last["recompute_flops"] > 0
-    chex.assert_trees_all_close(tg.grad(plain, argnums=(0, 1), policy=policy)(ws, x),
-                                jax.grad(plain, argnums=(0, 1))(ws, x), rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(
+        tg.grad(plain, argnums=(0, 1), policy=policy)(ws, x),
+        jax.grad(plain, argnums=(0, 1))(ws, x),
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 def test_budget_that_fits_recomputes_nothing():
@@ -240,7 +258,9 @@ def test_budget_that_fits_recomputes_nothing():
 
 def test_impossible_budget_names_the_smallest_feasible_one():
     ws, x = make(8)
-    with pytest.raises(tg.policies.BudgetError, match=r"smallest peak among the plans tried is [\d,]+ bytes") as e:
+    with pytest.raises(
+        tg.policies.BudgetError, match=r"smallest peak among the plans tried is [\d,]+ bytes"
+    ) as e:
         tg.grad(plain, policy=tg.policies.budget(64))(ws, x)
     smallest = int(re.search(r"is ([\d,]+) bytes", str(e.value)).group(1).replace(",", ""))
     tg.grad(plain, policy=tg.policies.budget(smallest))(ws, x)  # and that one works
@@ -249,12 +269,18 @@ def test_impossible_budget_names_the_smallest_feasible_one():
 
 def test_budget_respects_always_and_never():
     ws, x = make(8)
-    sac = tg.selective(lambda r: P.ALWAYS if r.primitive == "sin" else
-                       (P.NEVER if r.primitive == "tanh" else P.PREFER_SAVE))
+    sac = tg.selective(
+        lambda r: (
+            P.ALWAYS
+            if r.primitive == "sin"
+            else (P.NEVER if r.primitive == "tanh" else P.PREFER_SAVE)
+        )
+    )
     full = tg.memory_report(plain)(ws, x)
     policy = tg.policies.budget((full.peak_bytes - full.input_bytes) // 2, base=sac)
     tape = tg.trace(plain, policy=policy)(ws, x)
     assert {r.decision for r in tape.records if r.primitive == "sin"} == {"save"}
     assert {r.decision for r in tape.records if r.primitive == "tanh"} == {"recompute"}
-    chex.assert_trees_all_close(tg.grad(plain, policy=policy)(ws, x), jax.grad(plain)(ws, x),
-                                rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(
+        tg.grad(plain, policy=policy)(ws, x), jax.grad(plain)(ws, x), rtol=1e-5, atol=1e-6
+    )

@@ -1,4 +1,4 @@
-"""tapegrad's transforms composed with jax's (jit, vmap, grad, jacfwd, sharding), and with themselves.
+"""tapegrad's transforms composed with jax's (jit, vmap, grad, jacfwd, sharding) and themselves.
 
 Every test compares with jax's own autodiff on the same function and inputs.
 """
@@ -31,12 +31,13 @@ def assert_trees_close(actual, expected, rtol=RTOL, atol=ATOL):
 
 # ---------------------------------------------------------------- test functions
 
+
 def f_sin_tanh(x):
     return jnp.sum(jnp.sin(x) * jnp.tanh(x))
 
 
 def f_exp_poly(x):
-    return jnp.sum(jnp.exp(0.3 * x) * (x ** 3 - 2.0 * x ** 2 + 0.5))
+    return jnp.sum(jnp.exp(0.3 * x) * (x**3 - 2.0 * x**2 + 0.5))
 
 
 def f_matmul(x):
@@ -73,6 +74,7 @@ def mlp_batch(seed=1, n=6, d_in=3, d_out=2):
 
 
 # ---------------------------------------------------------------- jit / vmap of tg.grad
+
 
 @pytest.mark.parametrize("f", VECTOR_FUNS, ids=lambda f: f.__name__)
 def test_jit_of_grad(f):
@@ -121,9 +123,9 @@ SCALAR_FUNS = {
     "sin": jnp.sin,
     "tanh": jnp.tanh,
     "exp": jnp.exp,
-    "poly": lambda x: 3.0 * x ** 4 - 2.0 * x ** 3 + x - 7.0,
-    "sin_times_cube": lambda x: jnp.sin(x) * x ** 3,
-    "exp_tanh_product": lambda x: jnp.exp(0.5 * x) * jnp.tanh(x) * (1.0 + x ** 2),
+    "poly": lambda x: 3.0 * x**4 - 2.0 * x**3 + x - 7.0,
+    "sin_times_cube": lambda x: jnp.sin(x) * x**3,
+    "exp_tanh_product": lambda x: jnp.exp(0.5 * x) * jnp.tanh(x) * (1.0 + x**2),
     "log1p_sq": lambda x: jnp.log1p(x * x),
     "quotient": lambda x: jnp.sin(x) / (2.0 + jnp.cos(x)),
 }
@@ -141,12 +143,16 @@ def test_grad_of_grad(name):
 def test_grad_of_grad_of_grad():
     f = SCALAR_FUNS["sin_times_cube"]
     for x0 in (-0.9, 0.4, 1.7):
-        np.testing.assert_allclose(tg.grad(tg.grad(tg.grad(f)))(x0),
-                                   jax.grad(jax.grad(jax.grad(f)))(x0), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(
+            tg.grad(tg.grad(tg.grad(f)))(x0),
+            jax.grad(jax.grad(jax.grad(f)))(x0),
+            rtol=1e-4,
+            atol=1e-4,
+        )
 
 
 def test_grad_of_grad_mixed_partial():
-    f = lambda x, y: jnp.sin(x * y) * y ** 2 + jnp.exp(x) * y
+    f = lambda x, y: jnp.sin(x * y) * y**2 + jnp.exp(x) * y
     got = tg.grad(tg.grad(f, argnums=1), argnums=0)(0.3, -1.2)
     want = jax.grad(jax.grad(f, argnums=1), argnums=0)(0.3, -1.2)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
@@ -203,13 +209,14 @@ def test_jax_grad_of_tg_grad_closure_over_params():
 
 # ---------------------------------------------------------------- tg.grad of jax transforms
 
+
 @pytest.mark.parametrize("f", VECTOR_FUNS, ids=lambda f: f.__name__)
 def test_grad_of_jit(f):
     assert_trees_close(tg.grad(jax.jit(f))(X), jax.jit(jax.grad(f))(X))
 
 
 def test_grad_of_nested_jit():
-    f = jax.jit(lambda x: jnp.sum(jax.jit(jnp.sin)(x) * jax.jit(lambda z: z ** 2)(x)))
+    f = jax.jit(lambda x: jnp.sum(jax.jit(jnp.sin)(x) * jax.jit(lambda z: z**2)(x)))
     assert_trees_close(tg.grad(f)(X), jax.jit(jax.grad(f))(X))
 
 
@@ -235,8 +242,9 @@ def test_grad_of_vmapped_scalar_function():
 
 # ---------------------------------------------------------------- vjp
 
+
 def pytree_fun(x, y):
-    return {"a": jnp.sin(x) * y, "b": (x @ y, jnp.exp(x) - y ** 2)}
+    return {"a": jnp.sin(x) * y, "b": (x @ y, jnp.exp(x) - y**2)}
 
 
 def test_vjp_pytree_output_matches_jax_and_can_be_called_twice():
@@ -308,14 +316,15 @@ def test_jit_of_vjp_fn_pytree():
 
 def test_vmap_of_vjp_fn():
     # Batched cotangents: rows of a Jacobian, as jax.jacrev does.
-    f = lambda x: jnp.sin(x) * jnp.sum(x ** 2)
+    f = lambda x: jnp.sin(x) * jnp.sum(x**2)
     x = jnp.linspace(-1.0, 1.0, 4)
     _, vjp_fn = tg.vjp(f, x)
     (jac,) = jax.vmap(vjp_fn)(jnp.eye(4))
     assert_trees_close(jac, jax.jit(jax.jacrev(f))(x), rtol=1e-5, atol=1e-6)
 
 
-# ---------------------------------------------------------------- value_and_grad / has_aux under jit
+# ------------------------------------------------------------- value_and_grad / has_aux under jit
+
 
 def test_value_and_grad_has_aux_under_jit():
     def loss_with_aux(p, x, y):
@@ -379,12 +388,20 @@ def check(mesh):
 
 def _run_sharded(body: str) -> subprocess.CompletedProcess:
     env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
     code = textwrap.dedent(_SHARDED_PRELUDE) + textwrap.dedent(body)
-    return subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_jit_grad_with_sharded_inputs_subprocess():
@@ -394,18 +411,66 @@ def test_jit_grad_with_sharded_inputs_subprocess():
         print("OK")
     """)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), (
-        f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}")
+        f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    )
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "rules/linalg.py: the dot_general VJP calls lax.dot_general without out_sharding, so on a "
-    "mesh with Explicit axes (jax.make_mesh's default) the transpose over a sharded contracting "
-    "dimension raises ShardingTypeError; jax.grad handles it."))
-def test_jit_grad_with_explicit_sharding_mesh_subprocess():
+def test_grad_with_explicit_sharding_mesh_subprocess():
+    # Under Explicit axes sharding is part of the type: the backward dot_generals
+    # contract sharded dimensions and must name their output sharding, and
+    # reduce_sum's transpose must give the cotangent back its operand's sharding.
+    # Checked against jax.grad (values and output shardings), jitted and eager.
     proc = _run_sharded("""
         mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
         check(mesh)
+
+        def model(p, x):
+            h = jnp.tanh(x @ p["w1"] + p["b1"])                 # broadcast_in_dim, add
+            mu = jnp.mean(h, -1, keepdims=True)                   # reduce_sum
+            h = (h - mu) * jax.lax.rsqrt(jnp.mean((h - mu) ** 2, -1, keepdims=True) + 1e-5)
+            z = h @ p["w2"]                          # contracts h's sharded axis in "cols"
+            s = jax.nn.softmax(z, axis=-1)                        # reduce_max, exp, custom_jvp
+            t = jnp.where(z > 0, z, 0.1 * z)                      # select_n
+            u = jnp.sum(s * t, axis=0) + jnp.max(z, axis=0)      # reduces the batch axis
+            return jnp.mean(u ** 2) + jnp.sum(jnp.sin(h)) / h.size + 0.01 * jnp.sum(p["w1"] ** 2)
+
+        def put(a, spec):
+            return jax.device_put(np.float32(a), NamedSharding(mesh, spec))
+
+        rng = np.random.RandomState(1)
+        cases = {  # name -> (w1, b1, x) specs; w2 replicated
+            "rows": (P(), P(), P("d", None)),
+            "cols": (P(None, "d"), P("d"), P()),
+        }
+        for name, (s_w1, s_b1, s_x) in cases.items():
+            p = {"w1": put(rng.randn(4, 16) * 0.5, s_w1), "b1": put(rng.randn(16) * 0.1, s_b1),
+                 "w2": put(rng.randn(16, 3) * 0.5, P())}
+            x = put(rng.randn(32, 4), s_x)
+            for mode in ("jit", "eager"):
+                tg_f, jax_f = tg.grad(model, argnums=(0, 1)), jax.grad(model, argnums=(0, 1))
+                if mode == "jit":
+                    tg_f, jax_f = jax.jit(tg_f), jax.jit(jax_f)
+                with jax.set_mesh(mesh):  # eager ops on Explicit axes need the mesh set
+                    got, want = tg_f(p, x), jax_f(p, x)
+                leaves = jax.tree_util.tree_leaves_with_path(got)
+                for (path, g), w in zip(leaves, jax.tree.leaves(want)):
+                    where = f"{name}/{mode}{jax.tree_util.keystr(path)}"
+                    assert g.sharding.is_equivalent_to(w.sharding, g.ndim), (
+                        where, g.sharding.spec, w.sharding.spec)
+                    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6,
+                                               err_msg=where)
+        # A sharded dimension really was contracted and kept in the gradient.
+        assert jax.typeof(got[0]["w1"]).sharding.spec[1] == "d", got[0]["w1"].sharding
+        # jnp.sum over every axis of a row-sharded array: the cotangent keeps the rows sharded.
+        xr = put(rng.randn(32, 4), P("d", None))
+        with jax.set_mesh(mesh):  # the cotangent is a constant: jit needs the mesh to place it
+            g = jax.jit(tg.grad(lambda a: jnp.sum(a)))(xr)
+            w = jax.jit(jax.grad(lambda a: jnp.sum(a)))(xr)
+        assert g.sharding.is_equivalent_to(w.sharding, 2), (g.sharding, w.sharding)
+        assert g.sharding.is_equivalent_to(xr.sharding, 2), g.sharding
+        np.testing.assert_array_equal(np.asarray(g), np.ones((32, 4), np.float32))
         print("OK")
     """)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), (
-        f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}")
+        f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    )

@@ -1,4 +1,4 @@
-"""The tape as data: printing, HTML rendering, immutability, and which jaxpr equations become records.
+"""The tape as data: printing, HTML rendering, immutability, which jaxpr equations become records.
 
 Nested ``jit`` calls are inlined; ``custom_jvp_call``, ``custom_vjp_call``,
 ``cond``, ``scan`` and ``while`` stay records of their own; ``jax.checkpoint``
@@ -53,10 +53,11 @@ def _body_lines(tape) -> list[str]:
     assert lines[n + 1].lstrip().startswith("in ("), lines[n + 1]
     assert f"{n} records" in lines[n + 2]
     assert len(lines) == n + 3
-    return lines[1:n + 1]
+    return lines[1 : n + 1]
 
 
 # ---------------------------------------------------------------- printing
+
 
 def test_str_has_one_line_per_record(tape):
     body = _body_lines(tape)
@@ -175,6 +176,7 @@ def test_repr_html_escapes_source(tape):
 
 # ---------------------------------------------------------------- immutability
 
+
 def test_tape_and_record_are_frozen(tape):
     rec = tape.records[0]
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -269,10 +271,16 @@ def control_tape():
     return tg.trace(control)(X)
 
 
-@pytest.mark.parametrize("prim, marker", [
-    ("custom_jvp_call", "L-CUSTOM"), ("custom_vjp_call", "L-CUSTOM"),
-    ("cond", "L-COND"), ("scan", "L-SCAN"), ("while", "L-WHILE"),
-])
+@pytest.mark.parametrize(
+    "prim, marker",
+    [
+        ("custom_jvp_call", "L-CUSTOM"),
+        ("custom_vjp_call", "L-CUSTOM"),
+        ("cond", "L-COND"),
+        ("scan", "L-SCAN"),
+        ("while", "L-WHILE"),
+    ],
+)
 def test_higher_order_primitives_are_records_of_their_own(control_tape, prim, marker):
     recs = [r for r in control_tape.records if r.primitive == prim]
     assert len(recs) == 1, [r.primitive for r in control_tape.records]

@@ -136,9 +136,9 @@ def validate(tape: Tape, after: str | None = None) -> Tape:
             if o.id in defined:
                 fail(f"{where(rec)} defines {o}, which is already defined")
             defined.add(o.id)
-    for o in tape.outputs:
-        if isinstance(o, Var) and o.id not in defined:
-            fail(f"the tape's output {o} is not defined by any record or input")
+    for out in tape.outputs:
+        if isinstance(out, Var) and out.id not in defined:
+            fail(f"the tape's output {out} is not defined by any record or input")
     n = len(tape.records)
     for seg in tape.segments:
         if any(not 0 <= k < n for k in seg.records):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tapegrad._tape import Tape, Var
+from tapegrad._tape import Record, Tape, Var
 from tapegrad.passes.checks import effects_of
 
 __all__ = ["dce"]
@@ -36,7 +36,7 @@ def dce(tape: Tape) -> Tape:
             keep[pos] = True
             needed.update(i.id for i in rec.inputs if isinstance(i, Var))
     new_index: dict[int, int] = {}
-    records = []
+    records: list[Record] = []
     for pos, rec in enumerate(tape.records):
         if keep[pos]:
             new_index[pos] = len(records)

@@ -77,9 +77,14 @@ def as_chain(tape: Tape) -> Chain | None:
             j = i if s.kind == "out" else i - 1
             wanted[j] = True
             (saves_out if s.kind == "out" else saves_in)[i] = True
-    return Chain(tuple(r.outputs[0].nbytes for r in tape.records), tuple(wanted),
-                 tuple(saves_out), tuple(saves_in), tuple(aux),
-                 tuple(record_flops(r) for r in tape.records))
+    return Chain(
+        tuple(r.outputs[0].nbytes for r in tape.records),
+        tuple(wanted),
+        tuple(saves_out),
+        tuple(saves_in),
+        tuple(aux),
+        tuple(record_flops(r) for r in tape.records),
+    )
 
 
 def chain_plan(ch: Chain, fixed: Sequence[str | None], budget: int) -> list[str] | None:
@@ -149,8 +154,7 @@ def chain_plan(ch: Chain, fixed: Sequence[str | None], budget: int) -> list[str]
                     if k_in <= budget and (k_in not in finals or f_new < finals[k_in][0]):
                         finals[k_in] = (f_new, (i, k, ("run", b)))
                 else:
-                    offer(fronts[nxt + 1], k_in + kept_saved[nxt], f_new,
-                          (i, k, ("run", b)))
+                    offer(fronts[nxt + 1], k_in + kept_saved[nxt], f_new, (i, k, ("run", b)))
     for k, (f, _) in fronts[n].items():
         if k not in finals or f < finals[k][0]:
             finals[k] = (f, fronts[n][k][1])

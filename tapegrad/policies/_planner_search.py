@@ -32,15 +32,69 @@ from tapegrad._tape import Record, Tape, Var
 __all__ = ["Scorer", "CLASSES", "class_plans", "cut_plans", "ratio_plans", "descend", "refine"]
 
 # Cheap ops: recomputing them costs little next to what storing their outputs costs.
-_CHEAP = frozenset({
-    "add", "sub", "mul", "div", "neg", "max", "min", "abs", "sign", "exp", "exp2", "log",
-    "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan", "sqrt", "rsqrt", "cbrt",
-    "integer_pow", "pow", "square", "erf", "erf_inv", "select_n", "convert_element_type",
-    "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "split", "slice",
-    "concatenate", "pad", "rev", "copy", "copy_p", "stop_gradient", "clamp", "and", "or",
-    "not", "eq", "ne", "lt", "le", "gt", "ge", "is_finite", "nextafter", "round", "floor",
-    "ceil", "reduce_precision", "iota",
-})
+_CHEAP = frozenset(
+    {
+        "add",
+        "sub",
+        "mul",
+        "div",
+        "neg",
+        "max",
+        "min",
+        "abs",
+        "sign",
+        "exp",
+        "exp2",
+        "log",
+        "log1p",
+        "expm1",
+        "tanh",
+        "logistic",
+        "sin",
+        "cos",
+        "tan",
+        "sqrt",
+        "rsqrt",
+        "cbrt",
+        "integer_pow",
+        "pow",
+        "square",
+        "erf",
+        "erf_inv",
+        "select_n",
+        "convert_element_type",
+        "broadcast_in_dim",
+        "reshape",
+        "transpose",
+        "squeeze",
+        "expand_dims",
+        "split",
+        "slice",
+        "concatenate",
+        "pad",
+        "rev",
+        "copy",
+        "copy_p",
+        "stop_gradient",
+        "clamp",
+        "and",
+        "or",
+        "not",
+        "eq",
+        "ne",
+        "lt",
+        "le",
+        "gt",
+        "ge",
+        "is_finite",
+        "nextafter",
+        "round",
+        "floor",
+        "ceil",
+        "reduce_precision",
+        "iota",
+    }
+)
 
 
 def _is_dot(rec: Record) -> bool:
@@ -146,16 +200,22 @@ def _activation_bytes(sc: Scorer) -> tuple[list[int], list[int], dict[int, int],
     return act, cross, producer, last_use
 
 
-def cut_plans(sc: Scorer, classes: Sequence[str] = ("nothing_saveable", "dots_saveable"),
-              mixed_spans: int = 12) -> None:
+def cut_plans(
+    sc: Scorer,
+    classes: Sequence[str] = ("nothing_saveable", "dots_saveable"),
+    mixed_spans: int = 12,
+) -> None:
     n = sc.n
     if n < 2:
         return
     act, cross, producer, last_use = _activation_bytes(sc)
 
     def crossing(c: int) -> set[int]:
-        return {producer[v] for v, lu in last_use.items()
-                if lu > c and v in producer and producer[v] <= c}
+        return {
+            producer[v]
+            for v, lu in last_use.items()
+            if lu > c and v in producer and producer[v] <= c
+        }
 
     total = max(sum(act), 1)
     cut_sets: list[tuple[int, ...]] = []
@@ -168,7 +228,7 @@ def cut_plans(sc: Scorer, classes: Sequence[str] = ("nothing_saveable", "dots_sa
                 c = min(range(max(start, (start + i) // 2), i + 1), key=lambda j: (cross[j], -j))
                 cuts.append(c)
                 start = c + 1
-                acc = sum(act[start:i + 1])
+                acc = sum(act[start : i + 1])
         if tuple(cuts) not in cut_sets:
             cut_sets.append(tuple(cuts))
     for cut_set in cut_sets:
@@ -201,8 +261,9 @@ def cut_plans(sc: Scorer, classes: Sequence[str] = ("nothing_saveable", "dots_sa
             heavy, light = classes[0], classes[1]
             for k_saved in range(m):
                 for k_light in range(1, m - k_saved):
-                    levels = ([heavy] * (m - k_saved - k_light) + [light] * k_light
-                              + [None] * k_saved)
+                    levels = (
+                        [heavy] * (m - k_saved - k_light) + [light] * k_light + [None] * k_saved
+                    )
                     sc.score(decisions(levels), f"cuts+{heavy}/{light}")
 
 
@@ -212,8 +273,10 @@ def ratio_plans(sc: Scorer) -> None:
     from tapegrad.policies.budget import record_flops
 
     act = _activation_bytes(sc)[0]
-    order = sorted((i for i in range(sc.n) if sc.fixed[i] is None and act[i] > 0),
-                   key=lambda i: record_flops(sc.tape.records[i]) / act[i])
+    order = sorted(
+        (i for i in range(sc.n) if sc.fixed[i] is None and act[i] > 0),
+        key=lambda i: record_flops(sc.tape.records[i]) / act[i],
+    )
     lo, hi = 1, len(order)
     while lo <= hi:
         mid = (lo + hi) // 2
@@ -239,7 +302,7 @@ def descend(sc: Scorer, max_records: int = 48) -> None:
         for i in range(sc.n):
             if current[i] == "recompute" or sc.fixed[i] is not None:
                 continue
-            trial = current[:i] + ["recompute"] + current[i + 1:]
+            trial = current[:i] + ["recompute"] + current[i + 1 :]
             p, f = sc.score(trial, "greedy")
             # freed peak bytes per flop; when no single step lowers the peak (values
             # shared by several records), take the one that raises it least
@@ -263,9 +326,10 @@ def refine(sc: Scorer, starts: int = 2, max_tries: int = 512, patience: int = 96
 
     for flops, _, dec, family in sorted(sc.by_family.values(), key=lambda b: b[:2])[:starts]:
         planned = sc.planned(dec)
-        in_segments = sorted({i for seg in planned.segments for i in seg.records
-                              if sc.fixed[i] is None},
-                             key=lambda i: -record_flops(sc.tape.records[i]))
+        in_segments = sorted(
+            {i for seg in planned.segments for i in seg.records if sc.fixed[i] is None},
+            key=lambda i: -record_flops(sc.tape.records[i]),
+        )
         current = list(dec)
         misses = 0
         for i in in_segments[:max_tries]:
@@ -302,6 +366,15 @@ def structure_key(tape: Tape, fixed: Sequence[Any]) -> tuple:
             ins.append(names[u.id])
         for o in r.outputs:
             names[o.id] = ("out", len(names), o.shape, str(o.dtype))
-        recs.append((r.primitive, tuple(ins), tuple(names[o.id] for o in r.outputs),
-                     r.saves, r.rule, r.region, record_flops(r)))
+        recs.append(
+            (
+                r.primitive,
+                tuple(ins),
+                tuple(names[o.id] for o in r.outputs),
+                r.saves,
+                r.rule,
+                r.region,
+                record_flops(r),
+            )
+        )
     return tuple(recs), tuple(fixed)

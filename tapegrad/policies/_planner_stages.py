@@ -73,8 +73,9 @@ def stage_bounds(sc: Any, max_stages: int = 32) -> list[tuple[int, int]] | None:
     return [(a + 1, b) for a, b in zip([-1] + cuts, cuts + [n - 1])]
 
 
-def stage_plan(sc: Any, modes: Sequence[str] = ("nothing_saveable", "dots_saveable")
-               ) -> list[str] | None:
+def stage_plan(
+    sc: Any, modes: Sequence[str] = ("nothing_saveable", "dots_saveable")
+) -> list[str] | None:
     """The least-flops stage plan the decomposition predicts to fit, or None."""
     from tapegrad.policies._planner_chain import _pareto
     from tapegrad.policies._planner_search import CLASSES
@@ -129,7 +130,7 @@ def stage_plan(sc: Any, modes: Sequence[str] = ("nothing_saveable", "dots_saveab
                 hi = stages[t + 1][1] if t + 1 < L else n - 1
                 window = [trace[i] for i in range(stages[s][0], hi + 1) if i in trace]
                 local = max(window, default=before) - before
-                runs[(s, t, mode)] = (before - before0[s], sum(kept[s:t + 1]), local, flops)
+                runs[(s, t, mode)] = (before - before0[s], sum(kept[s : t + 1]), local, flops)
 
     # fronts[s]: kept bytes -> (flops, back-pointer) with stage s-1 saved (or s == 0)
     # or, for s == L, the whole plan.

@@ -79,8 +79,9 @@ def estimate(tape: Tape, memo: dict | None = None) -> tuple[int, float]:
     return peak, flops
 
 
-def simulate(tape: Tape, memo: dict | None = None, trace: dict | None = None
-             ) -> tuple[int, float, dict[Any, int]]:
+def simulate(
+    tape: Tape, memo: dict | None = None, trace: dict | None = None
+) -> tuple[int, float, dict[Any, int]]:
     """`estimate`'s schedule: (peak, flops, bytes of each kept residual key); with
     ``trace``, also the largest live bytes while backward runs each record (by index)."""
     from tapegrad._checkpoint import segment_peak
@@ -117,8 +118,10 @@ def simulate(tape: Tape, memo: dict | None = None, trace: dict | None = None
             done.add(seg.id)
             mkey = (seg.records, tuple(o.id for o in seg.outputs))
             if mkey not in memo:
-                memo[mkey] = (sum(record_flops(tape.records[i]) for i in seg.records),
-                              segment_peak(tape, seg))
+                memo[mkey] = (
+                    sum(record_flops(tape.records[i]) for i in seg.records),
+                    segment_peak(tape, seg),
+                )
             seg_flops, seg_peak = memo[mkey]
             flops += seg_flops
             peak = max(peak, live + seg_peak)
@@ -180,8 +183,10 @@ class Budget:
 
         fixed = _keep_effects(tape, fixed)
         choose = getattr(self.base, "choose", None)
-        hints = [choose(r) if (choose is not None and f is None) else None
-                 for r, f in zip(tape.records, fixed)]
+        hints = [
+            choose(r) if (choose is not None and f is None) else None
+            for r, f in zip(tape.records, fixed)
+        ]
         key = (search.structure_key(tape, fixed), tuple(hints))
         if key in self._plans:
             dec, self.last = self._plans[key]
@@ -212,7 +217,8 @@ class Budget:
                 f"no save/recompute plan found that keeps activation residuals under "
                 f"{self.bytes:,} bytes; the smallest peak among the plans tried is {sc.floor:,} "
                 "bytes. Raise the budget to at least that, or make a finer-grained program "
-                "(e.g. tg.checkpoint per layer) so less must be held at once.")
+                "(e.g. tg.checkpoint per layer) so less must be held at once."
+            )
         flops, peak, chosen, family = best
         self.last = {"peak_bytes": peak, "recompute_flops": flops, "plan": family}
         if len(self._plans) >= 8:
@@ -228,8 +234,10 @@ def _keep_effects(tape: Tape, fixed: Sequence[str | None]) -> list[str | None]:
     """Binding "save" for every free record with a harmful side effect."""
     from tapegrad.passes.checks import _harmful, effects_of
 
-    return [f if f is not None or not _harmful(effects_of(r)) else "save"
-            for r, f in zip(tape.records, fixed)]
+    return [
+        f if f is not None or not _harmful(effects_of(r)) else "save"
+        for r, f in zip(tape.records, fixed)
+    ]
 
 
 def budget(bytes: int, base: Any = None) -> Budget:

@@ -68,7 +68,7 @@ class Rule:
     name: str
     saves: Callable[..., tuple[Ref, ...]]
     vjp: Callable[..., Sequence[Any]]
-    derive: Callable[..., Sequence[Any]] | None = None
+    derive: Callable[..., tuple[Sequence[Any], Any]] | None = None
     aux_avals: Callable[..., Sequence[tuple]] | None = None
     kind: str = "rule"
 

@@ -1,11 +1,19 @@
 """dot_general: each operand's cotangent is another dot_general with the
-cotangent, so each side saves only the *other* operand."""
+cotangent, so each side saves only the *other* operand.
+
+Under a mesh with Explicit axes the backward dot_general contracts the
+primal's batch/free dimensions, which may be sharded, so (like jax's own
+``_dot_general_transpose_lhs``) it names its output sharding: the primal
+operand's, permuted into the dot_general's output order.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
 
+from tapegrad import _jax_compat as compat
 from tapegrad.rules._registry import defvjp
 
 
@@ -22,7 +30,9 @@ def _ranges_like(*xs):
         start += x_len
 
 
-def _transpose_lhs(g, y, x_ndim, y_ndim, dimension_numbers, precision, pet, swap_ans=False):
+def _transpose_lhs(
+    g, y, x_ndim, y_ndim, dimension_numbers, precision, pet, x_sharding, swap_ans=False
+):
     (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
     x_kept = _remaining(x_ndim, x_contract, x_batch)
     y_kept = _remaining(y_ndim, y_contract, y_batch)
@@ -34,22 +44,49 @@ def _transpose_lhs(g, y, x_ndim, y_ndim, dimension_numbers, precision, pet, swap
     x_contract_sorted_by_y = list(np.take(x_contract, np.argsort(y_contract)))
     unsorted_axes = list(x_batch) + x_kept + x_contract_sorted_by_y
     out_axes = np.argsort(unsorted_axes)
-    out = lax.dot_general(g, y, dims, precision=precision, preferred_element_type=pet)
+    out_sharding = None
+    if x_sharding is not None:
+        spec = tuple(x_sharding.spec) + (None,) * (x_ndim - len(x_sharding.spec))
+        out_sharding = NamedSharding(
+            x_sharding.mesh,
+            PartitionSpec(*(spec[a] for a in unsorted_axes)),
+            memory_kind=x_sharding.memory_kind,
+        )
+    out = lax.dot_general(
+        g, y, dims, precision=precision, preferred_element_type=pet, out_sharding=out_sharding
+    )
     return lax.transpose(out, tuple(int(a) for a in out_axes))
 
 
 def _dot_lhs(g, r, p):
     dn = p["dimension_numbers"]
     x, y = r.in_avals
-    return _transpose_lhs(g, r.x[1], len(x.shape), len(y.shape), dn, p["precision"],
-                          p["preferred_element_type"])
+    return _transpose_lhs(
+        g,
+        r.x[1],
+        len(x.shape),
+        len(y.shape),
+        dn,
+        p["precision"],
+        p["preferred_element_type"],
+        compat.explicit_sharding(x),
+    )
 
 
 def _dot_rhs(g, r, p):
     (xc, yc), (xb, yb) = p["dimension_numbers"]
     x, y = r.in_avals
-    return _transpose_lhs(g, r.x[0], len(y.shape), len(x.shape), ((yc, xc), (yb, xb)),
-                          p["precision"], p["preferred_element_type"], swap_ans=True)
+    return _transpose_lhs(
+        g,
+        r.x[0],
+        len(y.shape),
+        len(x.shape),
+        ((yc, xc), (yb, xb)),
+        p["precision"],
+        p["preferred_element_type"],
+        compat.explicit_sharding(y),
+        swap_ans=True,
+    )
 
 
 defvjp("dot_general", ("x1", _dot_lhs), ("x0", _dot_rhs))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 from jax import lax
 
+from tapegrad import _jax_compat as compat
 from tapegrad.rules._registry import deflinear
 
 
@@ -14,11 +15,15 @@ def _broadcast_in_dim(g, r, p):
     # Sum over the new axes and over the size-1 axes that were stretched.
     new_axes = tuple(i for i in range(g.ndim) if i not in dims)
     stretched = tuple(d for i, d in enumerate(dims) if in_shape[i] == 1 and g.shape[d] != 1)
-    summed = lax.reduce_sum(g, tuple(sorted(new_axes + stretched))) if (new_axes or stretched) else g
+    summed = (
+        lax.reduce_sum(g, tuple(sorted(new_axes + stretched))) if (new_axes or stretched) else g
+    )
     return summed.reshape(in_shape)
 
 
 deflinear("broadcast_in_dim", _broadcast_in_dim, *([None] * 8))  # dynamic-shape operands: none
+
+
 def _reshape(g, r, p):
     shape = r.in_avals[0].shape
     dims = p.get("dimensions")
@@ -32,8 +37,19 @@ def _reshape(g, r, p):
 deflinear("reshape", _reshape)
 deflinear("squeeze", lambda g, r, p: g.reshape(r.in_avals[0].shape))
 deflinear("expand_dims", lambda g, r, p: g.reshape(r.in_avals[0].shape))
-deflinear("transpose", lambda g, r, p: lax.transpose(g, tuple(int(i) for i in np.argsort(p["permutation"]))))
-deflinear("reduce_sum", lambda g, r, p: lax.broadcast_in_dim(
-    g, r.in_avals[0].shape,
-    tuple(i for i in range(len(r.in_avals[0].shape)) if i not in p["axes"])))
+deflinear(
+    "transpose",
+    lambda g, r, p: lax.transpose(g, tuple(int(i) for i in np.argsort(p["permutation"]))),
+)
+# Under Explicit mesh axes the broadcast would come out replicated over the
+# reduced axes; like jax's transpose, give it back the operand's sharding.
+deflinear(
+    "reduce_sum",
+    lambda g, r, p: lax.broadcast_in_dim(
+        g,
+        r.in_avals[0].shape,
+        tuple(i for i in range(len(r.in_avals[0].shape)) if i not in p["axes"]),
+        out_sharding=compat.explicit_sharding(r.in_avals[0]),
+    ),
+)
 deflinear("name", lambda g, r, p: g)

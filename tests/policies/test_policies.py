@@ -21,7 +21,7 @@ def mlp(ws, x):
     h = x
     for w in ws:
         h = jnp.tanh(h @ w)
-    return jnp.mean(h ** 2)
+    return jnp.mean(h**2)
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +32,13 @@ def model():
     return ws, x
 
 
-EXACT = [P.save(), P.offload(), P.offload("unpinned_host"), P.hooks(lambda a: a, lambda a: a),
-         P.route(lambda info: P.offload() if info.primitive == "tanh" else P.save())]
+EXACT = [
+    P.save(),
+    P.offload(),
+    P.offload("unpinned_host"),
+    P.hooks(lambda a: a, lambda a: a),
+    P.route(lambda info: P.offload() if info.primitive == "tanh" else P.save()),
+]
 
 
 @pytest.mark.parametrize("policy", EXACT, ids=repr)
@@ -44,12 +49,21 @@ def test_lossless_policies_give_save_gradient_exactly(model, policy, jit):
     g = jax.jit(g) if jit else g
     ref = jax.grad(mlp)(ws, x)
     chex.assert_trees_all_close(g(ws, x), ref, rtol=1e-6, atol=1e-7)
-    chex.assert_trees_all_equal(g(ws, x), tg.grad(mlp)(ws, x) if not jit else jax.jit(tg.grad(mlp))(ws, x))
+    chex.assert_trees_all_equal(
+        g(ws, x), tg.grad(mlp)(ws, x) if not jit else jax.jit(tg.grad(mlp))(ws, x)
+    )
 
 
-@pytest.mark.parametrize("policy,tol", [(P.compress(jnp.bfloat16), 2e-2), (P.compress(jnp.float16), 2e-3),
-                                        (P.compress("int8"), 3e-2), (P.compress("int8", axis=-1), 3e-2)],
-                         ids=repr)
+@pytest.mark.parametrize(
+    "policy,tol",
+    [
+        (P.compress(jnp.bfloat16), 2e-2),
+        (P.compress(jnp.float16), 2e-3),
+        (P.compress("int8"), 3e-2),
+        (P.compress("int8", axis=-1), 3e-2),
+    ],
+    ids=repr,
+)
 def test_compress_gradient_within_tolerance(model, policy, tol):
     ws, x = model
     g = tg.grad(mlp, policy=policy)(ws, x)
@@ -69,8 +83,9 @@ def _live_by_kind():
     return out
 
 
-@pytest.mark.parametrize("policy", [P.save(), P.offload(), P.compress(jnp.bfloat16), P.compress("int8")],
-                         ids=repr)
+@pytest.mark.parametrize(
+    "policy", [P.save(), P.offload(), P.compress(jnp.bfloat16), P.compress("int8")], ids=repr
+)
 def test_memory_report_agrees_with_live_arrays(model, policy):
     ws, x = model
     rep = tg.memory_report(mlp, argnums=(0, 1), policy=policy)(ws, x)
@@ -90,34 +105,34 @@ def test_offload_moves_residuals_to_host_eagerly_and_under_jit(model):
     ws, x = model
     rep = tg.memory_report(mlp, policy=P.offload())(ws, x)
     assert rep.device_bytes == 0 and rep.host_bytes > 0
-    kinds = []
     policy = P.route(lambda info: P.offload())
-    hook = P.hooks(lambda a: (kinds.append(a.sharding.memory_kind), a)[1], lambda a: a)
     # Offloaded arrays really live in pinned_host memory.
     off = P.offload()
     packed = off.pack(x, tg.ResidualInfo(None, None, x.shape, x.dtype))
     assert packed.sharding.memory_kind == "pinned_host"
-    assert off.unpack(packed, tg.ResidualInfo(None, None, x.shape, x.dtype)).sharding.memory_kind == "device"
+    assert (
+        off.unpack(packed, tg.ResidualInfo(None, None, x.shape, x.dtype)).sharding.memory_kind
+        == "device"
+    )
     jaxpr = str(jax.make_jaxpr(tg.grad(mlp, policy=policy))(ws, x))
     assert "MemorySpace.Host" in jaxpr and "MemorySpace.Device" in jaxpr
-    del hook, kinds
 
 
 def test_compress_bytes_halve_and_quarter(model):
     ws, x = model
     full = tg.memory_report(mlp, policy=P.save())(ws, x).residual_bytes
     bf16 = tg.memory_report(mlp, policy=P.compress(jnp.bfloat16))(ws, x).residual_bytes
-    i8 = tg.memory_report(mlp, policy=P.compress("int8"))(ws, x)
+    i8 = tg.memory_report(mlp, policy=P.compress("int8", block_size=None))(ws, x)  # per tensor
     assert bf16 == full // 2
     n_res = sum(1 for r in i8.records for _ in r.saves.split(","))
-    assert full // 4 <= i8.residual_bytes <= full // 4 + 4 * n_res  # + one f32 scale each
+    assert full // 4 < i8.residual_bytes <= full // 4 + 2 * n_res  # + one bf16 scale each
     assert i8.records[0].compressed_bytes > 0
 
 
 def test_int8_per_channel_is_more_accurate_on_skewed_channels():
     x = jnp.stack([jnp.linspace(-1, 1, 64), jnp.linspace(-100, 100, 64)], axis=-1)
     info = tg.ResidualInfo(None, None, x.shape, x.dtype)
-    per_tensor = P.compress("int8")
+    per_tensor = P.compress("int8", block_size=None)
     per_channel = P.compress("int8", axis=-1)
     e_t = jnp.abs(per_tensor.unpack(per_tensor.pack(x, info), info) - x)[:, 0].max()
     e_c = jnp.abs(per_channel.unpack(per_channel.pack(x, info), info) - x)[:, 0].max()
@@ -171,7 +186,7 @@ def test_hooks_nest_inner_overrides_outer_and_restore_on_error(model):
         assert inner.packed and not outer.packed
         with pytest.raises(ZeroDivisionError):
             with tg.saved_tensors_hooks(inner.pack, inner.unpack):
-                1 / 0
+                _ = 1 / 0
         tg.grad(mlp)(ws, x)
         assert outer.packed
     assert P.current_policy() is P.save()

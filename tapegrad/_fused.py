@@ -1,0 +1,263 @@
+"""Eager `grad` as one compiled call, when that cannot change what the user sees.
+
+Eagerly, the interpreter dispatches every forward primitive and every backward
+rule on its own; each dispatch costs tens of microseconds, which dominates
+small and medium models. `run_grad` runs the forward and backward interpreters
+of a tape under one `jax.jit` instead, cached by the tape's *structure*.
+
+Why this is sound (no jit-like staleness): the user's function is still traced
+on every call (`jax.make_jaxpr` runs, so a changed closure, global or Python
+branch shows up as a different tape), and the cache key holds everything the
+interpreters read from the tape: every record's primitive, parameters,
+operands (literal values included), shapes, dtypes, saves, active inputs and
+rule. Constants (closed-over arrays) are arguments of the compiled call, not
+baked into it; a sub-jaxpr (cond branch, scan body) is keyed by its structure
+and must have no constants. Two tapes with equal keys therefore run the same
+computation on the arguments given. A tape whose parameters are not plain
+values (callbacks, the user functions of a custom_jvp/custom_vjp or tg.hook,
+effects) has no key and runs the per-record path, so user Python code in
+backward keeps seeing concrete arrays once per call. (A field added to
+`Record` that the interpreters read must be added to `grad_key`.)
+
+It is used only when nothing needs to observe individual records: the plain
+`save()` policy (or a wrapper of it) with nothing recomputed, no anomaly
+observer, concrete (non-traced) arguments. A structure is compiled at its
+third sighting, so one-off calls pay no compilation.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+
+from tapegrad._tape import Tape, Var
+from tapegrad.rules import FALLBACK, lookup
+
+__all__ = ["grad_key", "run_grad"]
+
+
+class _NoKey(Exception):
+    """The tape holds something whose identity, not value, would key the cache."""
+
+
+_PLAIN = (str, type(None))
+_NUMBERS = (int, bool)
+
+
+def _value_key(v: Any) -> Any:
+    t = type(v)
+    if t in _PLAIN:
+        return v
+    if t in _NUMBERS:
+        return (t, v)  # 1 == True == 1.0 in a dict key; keep the type
+    if t is float:
+        return (t, v.hex())  # -0.0 == 0.0 and nan != nan as floats
+    if isinstance(v, np.dtype) or isinstance(v, enum.Enum):
+        return v
+    if isinstance(v, np.generic):
+        return (t, v.tobytes())
+    if isinstance(v, tuple):  # namedtuples too (dimension numbers)
+        return (t, tuple(_value_key(x) for x in v))
+    if t is complex:
+        return (t, repr(v))
+    if isinstance(v, (Jaxpr, ClosedJaxpr)):  # cond branches, scan bodies, scatter combiners
+        return _jaxpr_key(v)
+    raise _NoKey
+
+
+def _array_key(value: Any) -> tuple:
+    a = np.asarray(value)
+    if a.size > 16:
+        raise _NoKey
+    return (str(a.dtype), a.shape, a.tobytes())
+
+
+def _jaxpr_key(j: Any) -> tuple:
+    """A structural key of a sub-jaxpr: equal keys, same function (no constants allowed:
+    those are values, which the key must not hold)."""
+    if isinstance(j, ClosedJaxpr):
+        if j.consts:
+            raise _NoKey
+        j = j.jaxpr
+    if j.constvars or j.effects:
+        raise _NoKey
+    ids: dict[Any, int] = {}
+
+    def define(v) -> str:
+        ids[v] = len(ids)
+        return str(v.aval)
+
+    def use(v) -> Any:
+        if isinstance(v, Literal):
+            return ("lit", _array_key(v.val), str(v.aval))
+        return ids[v]
+
+    ins = tuple(define(v) for v in j.invars)
+    eqns = tuple(
+        (
+            e.primitive,
+            tuple((k, _value_key(p)) for k, p in e.params.items()),
+            tuple(use(v) for v in e.invars),
+            tuple(define(v) for v in e.outvars),
+        )
+        for e in j.eqns
+    )
+    return ("jaxpr", ins, eqns, tuple(use(v) for v in j.outvars))
+
+
+def _operand_key(i: Any) -> Any:
+    if type(i) is Var:
+        return i.id
+    return ("lit", _array_key(i.value), i.shape, str(i.dtype))
+
+
+def _var_key(v: Var) -> tuple:
+    if not isinstance(v.dtype, np.dtype):
+        raise _NoKey  # extended dtypes (PRNG keys) take the per-record path
+    mesh = getattr(getattr(v, "sharding", None), "mesh", None)
+    if mesh is not None and not mesh.empty:
+        raise _NoKey  # rules read a value's mesh sharding; eager arrays have none
+    return (v.id, v.shape, v.dtype)
+
+
+def grad_key(tape: Tape, extra: tuple = ()) -> tuple | None:
+    """A hashable key equal for two tapes exactly when the interpreters would run the
+    same computation on them; None when the tape cannot be keyed soundly."""
+    if tape.segments:
+        return None
+    try:
+        recs = []
+        for rec in tape.records:
+            prim = rec.prim
+            if prim is None or getattr(prim, "effectful", False):
+                return None
+            rule = lookup(rec.primitive) if rec.rule != "none" else None
+            recs.append(
+                (
+                    prim,
+                    rec.primitive,
+                    tuple((k, _value_key(v)) for k, v in rec.params.items()),
+                    tuple(_operand_key(i) for i in rec.inputs),
+                    tuple(_var_key(o) for o in rec.outputs),
+                    tuple((s.kind, s.index, s.shape, s.dtype) for s in rec.saves),
+                    rec.active,
+                    rec.rule,
+                    rec.decision,
+                    rec.names,
+                    rule if rule is not None else (FALLBACK if rec.rule == "fallback" else None),
+                )
+            )
+        return (
+            tuple(_var_key(v) for v in tape.inputs),
+            tuple(_var_key(v) for v, _ in tape.consts),
+            tuple(recs),
+            tuple(_operand_key(o) for o in tape.outputs),
+            tape.active_inputs,
+            extra,
+        )
+    except (_NoKey, TypeError, ValueError):
+        return None
+
+
+# Bounded, oldest first out: a training loop repeats one or two structures, while a
+# test suite or a sweep sees many once (counted, never compiled).
+_SEEN: dict[tuple, int] = {}
+_COMPILED: dict[tuple, Any] = {}
+_MAX_SEEN = 256
+_MAX_COMPILED = 32
+_COMPILE_AT = 3  # sightings of a structure before it is compiled
+
+
+def _evict_oldest(cache: dict, limit: int) -> None:
+    while len(cache) >= limit:
+        try:
+            cache.pop(next(iter(cache)), None)
+        except (StopIteration, RuntimeError):  # emptied or resized by another thread
+            break
+
+
+def _is_concrete(vals: Sequence[Any]) -> bool:
+    for v in vals:
+        if isinstance(v, jax.core.Tracer):
+            return False
+    return True
+
+
+def _compiled_for(key: tuple, tape: Tape, ct_dtype: Any, capture_ids: tuple) -> Any:
+    fn = _COMPILED.pop(key, None)
+    if fn is not None:
+        _COMPILED[key] = fn  # most recently used last
+        return fn
+    n = _SEEN.pop(key, 0) + 1
+    if n < _COMPILE_AT:
+        _evict_oldest(_SEEN, _MAX_SEEN)
+        _SEEN[key] = n
+        return None
+    _evict_oldest(_COMPILED, _MAX_COMPILED)
+    # Keep the structure only: the first call's constants are not held alive.
+    bare = Tape(
+        tape.inputs,
+        tape.records,
+        tape.outputs,
+        tuple((v, None) for v, _ in tape.consts),
+        tape.active_inputs,
+    )
+    fn = _COMPILED[key] = jax.jit(_grad_body(bare, ct_dtype, capture_ids))
+    return fn
+
+
+def _grad_body(tape: Tape, ct_dtype: Any, capture_ids: tuple):
+    from tapegrad._interpret import backward, forward
+    from tapegrad.policies._base import SAVE
+
+    passthrough = {v.id for v in tape.inputs} | {v.id for v, _ in tape.consts}
+
+    def body(args, consts):
+        outs, res = forward(tape, args, SAVE, consts=consts)
+        n = len(tape.outputs)
+        capture = dict.fromkeys(capture_ids) if capture_ids else None
+        ct = jax.numpy.ones((), ct_dtype)
+        in_cts = backward(tape, res, [ct] + [None] * (n - 1), retain=False, capture=capture)
+        # Literal outputs and outputs that are inputs/constants are filled in by the caller,
+        # as the per-record path returns them: the very objects, not jit-made copies.
+        computed = [
+            v if type(o) is Var and o.id not in passthrough else None
+            for o, v in zip(tape.outputs, outs)
+        ]
+        captured = [capture[i] for i in capture_ids] if capture_ids else []
+        return computed, in_cts, captured
+
+    return body
+
+
+def run_grad(
+    tape: Tape, args: Sequence[Any], ct_dtype: Any, capture_ids: tuple = ()
+) -> tuple[list, list, list] | None:
+    """``(flat outputs, input cotangents, captured cotangents)`` of the tape's first output,
+    from one compiled call; None when the per-record path must run instead."""
+    consts = [c for _, c in tape.consts]
+    if not (_is_concrete(args) and _is_concrete(consts)):
+        return None
+    key = grad_key(tape, (np.dtype(ct_dtype), capture_ids))
+    if key is None:
+        return None
+    fn = _compiled_for(key, tape, ct_dtype, capture_ids)
+    if fn is None:
+        return None
+    computed, in_cts, captured = fn(list(args), consts)
+    env = {v.id: x for v, x in zip(tape.inputs, args)}
+    env.update((v.id, c) for v, c in tape.consts)
+    outs = []
+    for o, v in zip(tape.outputs, computed):
+        if not isinstance(o, Var):
+            outs.append(o.value)
+        elif o.id in env:
+            outs.append(env[o.id])
+        else:
+            outs.append(v)
+    return outs, list(in_cts), list(captured)

@@ -1,0 +1,197 @@
+"""Eager grad as one compiled call (tapegrad/_fused.py): same answers as jax.grad, and
+no jit-like staleness — the function is traced every call, so a changed global array,
+Python constant or branch is seen at once."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tapegrad as tg
+from tapegrad import _fused
+from tests.conftest import assert_trees_close, rand
+
+
+@pytest.fixture
+def compile_at_once(monkeypatch):
+    """Compile a structure at its first sighting; count the compiled calls made."""
+    monkeypatch.setattr(_fused, "_COMPILE_AT", 1)
+    monkeypatch.setattr(_fused, "_SEEN", {})
+    monkeypatch.setattr(_fused, "_COMPILED", {})
+    calls = []
+    real = _fused.run_grad
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr("tapegrad._transforms.run_grad", spy)
+    return calls
+
+
+def _mlp(ws, x):
+    h = x
+    for w in ws:
+        h = jnp.tanh(h @ w + 0.5)
+    return jnp.mean(h**2)
+
+
+def test_fused_grad_equals_jax_grad(compile_at_once):
+    ws = [rand((8, 8), seed=i) for i in range(3)]
+    x = rand((4, 8), seed=9)
+    for _ in range(3):
+        got = tg.grad(_mlp, argnums=(0, 1))(ws, x)
+        assert_trees_close(got, jax.grad(_mlp, argnums=(0, 1))(ws, x))
+        v, g = tg.value_and_grad(_mlp)(ws, x)
+        wv, wg = jax.value_and_grad(_mlp)(ws, x)
+        assert_trees_close((v, g), (wv, wg))
+    assert compile_at_once and all(compile_at_once)
+
+
+def test_fused_grad_sees_a_changed_global_array(compile_at_once):
+    state = {"w": rand((5, 5), seed=1)}
+
+    def f(x):
+        return jnp.sum(jnp.sin(x @ state["w"]))
+
+    x = rand((3, 5), seed=2)
+    for seed in range(4):  # a new closed-over array every call: never a stale constant
+        state["w"] = rand((5, 5), seed=seed + 10)
+        assert_trees_close(tg.grad(f)(x), jax.grad(f)(x))
+    assert all(compile_at_once)
+
+
+def test_fused_grad_sees_changed_python_constants_and_branches(compile_at_once):
+    cfg = {"scale": 2.0, "branch": True}
+
+    def f(x):
+        y = jnp.exp(x) * cfg["scale"] if cfg["branch"] else jnp.cos(x) - cfg["scale"]
+        return jnp.sum(y * y)
+
+    x = rand((6,), seed=3)
+    for scale, branch in [(2.0, True), (3.0, True), (-0.0, True), (0.0, True), (3.0, False)]:
+        cfg.update(scale=scale, branch=branch)
+        assert_trees_close(tg.grad(f)(x), jax.grad(f)(x))
+    assert all(compile_at_once)
+
+
+def test_fused_grad_with_aux_and_intermediates(compile_at_once):
+    def f(x):
+        h = tg.name(jnp.tanh(x), "h")
+        return jnp.sum(h**3), {"h": h, "n": 3}
+
+    x = rand((4,), seed=4)
+    for _ in range(2):
+        (g, inter), aux = tg.grad(f, has_aux=True, intermediates=("h",))(x)
+        want_g, want_aux = jax.grad(f, has_aux=True)(x)
+        assert_trees_close(g, want_g)
+        assert_trees_close(inter["h"], 3 * jnp.tanh(x) ** 2)  # d sum(h^3) / dh
+        assert type(aux["n"]) is int and aux["n"] == 3
+        assert_trees_close(aux["h"], want_aux["h"])
+    assert all(compile_at_once)
+
+
+def test_user_python_in_backward_keeps_the_per_record_path(compile_at_once):
+    """A custom_jvp rule (jax.nn.relu), a tg.hook and a saved-tensor hook are user code
+    that runs eagerly on concrete arrays, once per call: never cached in a compiled call."""
+    seen = []
+
+    def f(x):
+        h = tg.hook(jnp.sin(x), lambda ct: seen.append(type(ct)) or ct)
+        return jnp.sum(jax.nn.relu(h) ** 2)
+
+    x = rand((5,), low=-1.0, high=1.0, seed=5)
+    for k in range(3):
+        want = jax.grad(lambda x: jnp.sum(jax.nn.relu(jnp.sin(x)) ** 2))(x)
+        assert_trees_close(tg.grad(f)(x), want)
+        assert len(seen) == k + 1 and not issubclass(seen[-1], jax.core.Tracer)
+    packed = []
+    with tg.saved_tensors_hooks(lambda a: packed.append(1) or a, lambda a: a):
+        for _ in range(3):
+            tg.grad(lambda x: jnp.sum(jnp.exp(x)))(x)
+    assert len(packed) == 3
+    assert not any(compile_at_once)
+
+
+def test_fused_grad_is_not_used_under_a_trace(compile_at_once):
+    x = rand((4,), seed=6)
+    f = lambda x: jnp.sum(jnp.tanh(x) ** 2)  # noqa: E731
+    assert_trees_close(jax.jit(tg.grad(f))(x), jax.grad(f)(x))
+    assert_trees_close(jax.vmap(tg.grad(f))(x[None]), jax.vmap(jax.grad(f))(x[None]))
+    assert not any(compile_at_once)
+
+
+def test_grad_key_tells_apart_literals_that_compare_equal():
+    def tape_of(c):
+        return tg.trace(lambda x: jnp.sum(x * c))(jnp.ones(3))
+
+    keys = [_fused.grad_key(tape_of(c)) for c in (0.0, -0.0, 1.0)]
+    assert None not in keys
+    assert len(set(keys)) == 3
+    assert _fused.grad_key(tape_of(1.0)) == keys[2]
+
+
+@pytest.mark.parametrize("transform", ["grad", "value_and_grad", "vjp"])
+def test_untraced_aux_leaves_come_back_as_jax_returns_them(transform):
+    """A Python int, float, bool or complex, a numpy array or scalar, and a closed-over
+    array in aux come back as the objects the function returned, like jax's."""
+    arr, nparr = jnp.arange(3.0), np.ones(2)
+
+    def f(x):
+        aux = {
+            "i": 3,
+            "f": 2.5,
+            "b": True,
+            "c": 1 + 2j,
+            "np": nparr,
+            "np64": np.float64(2.0),
+            "npi": np.int32(4),
+            "arr": arr,
+            "traced": x * 2,
+        }
+        return jnp.sum(x**2), aux
+
+    x = rand((3,), seed=7)
+    if transform == "grad":
+        got, want = tg.grad(f, has_aux=True)(x)[1], jax.grad(f, has_aux=True)(x)[1]
+    elif transform == "value_and_grad":
+        got = tg.value_and_grad(f, has_aux=True)(x)[0][1]
+        want = jax.value_and_grad(f, has_aux=True)(x)[0][1]
+    else:
+        got, want = tg.vjp(f, x, has_aux=True)[2], jax.vjp(f, x, has_aux=True)[2]
+    assert set(got) == set(want)
+    for k in want:
+        assert type(got[k]) is type(want[k]), (k, type(got[k]), type(want[k]))
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]))
+    assert got["np"] is nparr and got["arr"] is arr
+
+
+def test_untraced_primal_output_comes_back_as_returned():
+    x = rand((2,), seed=8)
+    out, _ = tg.vjp(lambda x: (3.0, 2), x)
+    want, _ = jax.vjp(lambda x: (3.0, 2), x)
+    assert [type(o) for o in out] == [type(o) for o in want] == [float, int]
+    v, _ = tg.value_and_grad(lambda x: 3.0)(1.0)
+    assert type(v) is type(jax.value_and_grad(lambda x: 3.0)(1.0)[0])
+
+
+def test_fused_control_flow_sees_changed_constants_in_its_body(compile_at_once):
+    """scan / cond bodies are keyed by structure: a Python constant or global array
+    read inside a body changes the key (or keeps the per-record path), never goes stale."""
+    cfg = {"decay": 0.9, "w": rand((4,), seed=11)}
+
+    def f(xs):
+        def step(c, r):
+            return c * cfg["decay"] + jnp.sum(jnp.sin(r) * cfg["w"]) * c, None
+
+        out = jax.lax.scan(step, 1.0, xs)[0]
+        return jax.lax.cond(out > 0, lambda o: o**2, lambda o: -o * cfg["decay"], out)
+
+    xs = rand((5, 4), seed=12)
+    for decay, seed in [(0.9, 11), (0.9, 11), (0.5, 11), (0.5, 13), (-0.7, 13)]:
+        cfg.update(decay=decay, w=rand((4,), seed=seed))
+        assert_trees_close(tg.grad(f)(xs), jax.grad(f)(xs))
+    assert compile_at_once and all(compile_at_once)
