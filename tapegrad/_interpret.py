@@ -37,13 +37,14 @@ class Residuals:
     still need it so backward can release it after its last use.
     """
 
-    __slots__ = ("store", "refs", "keys", "policy", "infos", "released", "plain")
+    __slots__ = ("store", "refs", "keys", "policy", "infos", "released", "plain", "input_ids")
 
     def __init__(self, policy):
         self.store: dict[Any, Any] = {}
         self.refs: dict[Any, int] = {}
         self.keys: dict[int, tuple] = {}
         self.infos: dict[Any, ResidualInfo] = {}
+        self.input_ids: frozenset[int] = frozenset()
         self.policy = policy
         self.released = False
         self.plain = False
@@ -187,6 +188,8 @@ def forward(
 
     res = Residuals(policy)
     plain = res.plain = is_plain(policy)
+    if not plain:
+        res.input_ids = frozenset(v.id for v in tape.inputs) | {v.id for v, _ in tape.consts}
     store, refs = res.store, res.refs
     if tape.segments:
         _, recomputed = tape.residual_keys()
@@ -246,7 +249,7 @@ def forward(
 
 
 def _pack(res: Residuals, rec: Record, key, s, value):
-    info = ResidualInfo(rec, s, s.shape, s.dtype)
+    info = ResidualInfo(rec, s, s.shape, s.dtype, key in res.input_ids)
     res.infos[key] = info
     try:
         return res.policy.pack(value, info)

@@ -40,6 +40,9 @@ class ResidualInfo:
     saved: Any  # tapegrad Saved: which input/output/derived value
     shape: tuple[int, ...]
     dtype: np.dtype
+    # The value is one of the traced function's own inputs (or a closed-over constant):
+    # the caller holds it anyway, so moving or compressing it frees no memory.
+    is_input: bool = False
 
     @property
     def nbytes(self) -> int:

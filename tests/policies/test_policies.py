@@ -321,3 +321,20 @@ def test_memory_report_renders(model):
     assert "<table" in rep._repr_html_()
     assert rep.peak_bytes >= rep.residual_bytes
     assert rep.timeline[-1][1] == 0  # everything released at the end of backward
+
+
+def test_offload_inputs_false_moves_only_activations(model):
+    ws, x = model
+    plain = tg.memory_report(mlp)(ws, x)
+    rep = tg.memory_report(mlp, policy=P.offload(inputs=False))(ws, x)
+    # The function's own inputs stay on device (the caller holds them anyway) ...
+    assert rep.device_bytes == plain.input_residual_bytes > 0
+    # ... and every other residual lives on host.
+    assert rep.host_bytes == plain.residual_bytes - plain.input_residual_bytes > 0
+    chex.assert_trees_all_equal(
+        tg.grad(mlp, policy=P.offload(inputs=False))(ws, x), tg.grad(mlp)(ws, x)
+    )
+    seen = []
+    spy = P.route(lambda info: (seen.append(info.is_input), P.save())[1])
+    tg.grad(mlp, policy=spy)(ws, x)
+    assert True in seen and False in seen
