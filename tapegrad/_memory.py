@@ -21,6 +21,7 @@ from tapegrad._checkpoint import segment_peak
 from tapegrad._interpret import forward
 from tapegrad._tape import Tape, as_dtype
 from tapegrad.policies._base import is_plain, resolve_policy
+from tapegrad.policies.budget import Budget, segment_flops
 
 __all__ = ["MemoryReport", "RecordMemory", "memory_report"]
 
@@ -364,6 +365,7 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
         for k in sizes
         if any(id(leaf) in arg_ids for leaf in tree_util.tree_leaves(res.store[k]))
     )
+    planner = _planner_of(policy)
     return MemoryReport(
         policy,
         tuple(rows),
@@ -376,36 +378,17 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
         tape,
         tuple(timeline_kinds),
         input_live,
-        _budget_of(policy),
-        _recompute_flops(tape),
-        _plan_of(policy),
+        planner.bytes if planner is not None else None,
+        sum(segment_flops(tape, seg) for seg in tape.segments),
+        planner.last.get("plan") if planner is not None else None,
     )
 
 
-def _recompute_flops(tape: Tape) -> float:
-    from tapegrad.policies.budget import record_flops
-
-    return float(sum(record_flops(tape.records[i]) for seg in tape.segments for i in seg.records))
-
-
-def _plan_of(policy: Any) -> str | None:
-    """The plan family a `tg.policies.budget` chose last (``policy.last["plan"]``)."""
-    from tapegrad.policies.budget import Budget
-
-    for _ in range(8):
-        if isinstance(policy, Budget):
-            return policy.last.get("plan")
-        policy = getattr(policy, "base", None)
-    return None
-
-
-def _budget_of(policy: Any) -> int | None:
-    """The byte budget of a `tg.policies.budget` policy (or of one it wraps)."""
-    from tapegrad.policies.budget import Budget
-
+def _planner_of(policy: Any) -> Any:
+    """The `tg.policies.budget` policy that planned the tape (it or one it wraps), or None."""
     for _ in range(8):  # wrappers keep the policy they wrap in ``base``
         if isinstance(policy, Budget):
-            return policy.bytes
+            return policy
         policy = getattr(policy, "base", None)
     return None
 

@@ -70,6 +70,11 @@ def _uses(tape: Tape) -> dict[Any, int]:
     return uses
 
 
+def segment_flops(tape: Tape, seg: Any) -> float:
+    """What backward spends recomputing one segment: each of its records once."""
+    return sum(record_flops(tape.records[i]) for i in seg.records)
+
+
 def estimate(tape: Tape, memo: dict | None = None) -> tuple[int, float]:
     """(peak live activation-residual bytes, recompute flops) of a planned tape.
 
@@ -118,10 +123,7 @@ def simulate(
             done.add(seg.id)
             mkey = (seg.records, tuple(o.id for o in seg.outputs))
             if mkey not in memo:
-                memo[mkey] = (
-                    sum(record_flops(tape.records[i]) for i in seg.records),
-                    segment_peak(tape, seg),
-                )
+                memo[mkey] = (segment_flops(tape, seg), segment_peak(tape, seg))
             seg_flops, seg_peak = memo[mkey]
             flops += seg_flops
             peak = max(peak, live + seg_peak)
