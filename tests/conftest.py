@@ -207,6 +207,13 @@ def assert_value_and_grad_match(
     return got
 
 
+def tanh_mlp(ws, x):
+    """The small model several policy and display tests share: tanh layers, mean square."""
+    for w in ws:
+        x = jnp.tanh(x @ w)
+    return jnp.mean(x**2)
+
+
 def random_like(tree, seed: int = 0):
     """A pytree of standard-normal values with ``tree``'s structure, shapes, dtypes."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import matplotlib
 import pytest
+from conftest import tanh_mlp as mlp
 from jax import lax
 
 import tapegrad as tg
@@ -44,12 +45,6 @@ def deep():
 @pytest.fixture(scope="module")
 def deep_tape(deep):
     return tg.trace(chain)(*deep)
-
-
-def mlp(ws, x):
-    for w in ws:
-        x = jnp.tanh(x @ w)
-    return jnp.mean(x**2)
 
 
 @pytest.fixture(scope="module")

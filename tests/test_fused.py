@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import assert_trees_close, rand
 
 import tapegrad as tg
 from tapegrad import _fused
-from tests.conftest import assert_trees_close, rand
 
 
 @pytest.fixture

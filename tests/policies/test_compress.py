@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tanh_mlp as mlp
 
 import tapegrad as tg
 from tapegrad import policies as P
@@ -119,13 +120,6 @@ def test_bad_block_size_is_a_clear_error():
         P.compress(jnp.bfloat16, block_size=32)
     assert repr(P.compress("int8")) == "compress('int8')"
     assert repr(P.compress("int8", block_size=None)) == "compress('int8', block_size=None)"
-
-
-def mlp(ws, x):
-    h = x
-    for w in ws:
-        h = jnp.tanh(h @ w)
-    return jnp.mean(h**2)
 
 
 @pytest.fixture(scope="module")
