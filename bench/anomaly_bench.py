@@ -18,27 +18,18 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
-import time
 import warnings
 
 import jax
 from _models import mlp_loss, mlp_params
+from _timing import interleaved
 
 import tapegrad as tg
 
 
 def rounds(fns: dict, n: int) -> dict[str, list[float]]:
     """Seconds per call of each function, ``n`` rounds of one call each (after warm-up)."""
-    for f in fns.values():
-        for _ in range(3):
-            jax.block_until_ready(f())
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(n):
-        for k, f in fns.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(f())
-            times[k].append(time.perf_counter() - t0)
-    return times
+    return interleaved(fns, n, warmup=3)
 
 
 def report(title: str, times: dict[str, list[float]], base: str) -> None:

@@ -19,6 +19,7 @@ import time
 import jax
 import jax.numpy as jnp
 from _models import mlp_params, split_static, transformer_block, transformer_params
+from _timing import interleaved
 
 import tapegrad as tg
 from tapegrad.policies.budget import estimate
@@ -29,16 +30,8 @@ P = tg.CheckpointPolicy
 def paired(fn, base, reps: int) -> float:
     """``fn``'s step time over ``base``'s: calls interleaved, fastest of ``reps`` each
     (after 2 warm-up calls), so load on a shared machine hits both alike."""
-    for _ in range(2):
-        jax.block_until_ready(fn())
-        jax.block_until_ready(base())
-    t_fn, t_base = [], []
-    for _ in range(reps):
-        for f, ts in ((fn, t_fn), (base, t_base)):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f())
-            ts.append(time.perf_counter() - t0)
-    return min(t_fn) / min(t_base)
+    t = interleaved({"fn": fn, "base": base}, reps, warmup=2)
+    return min(t["fn"]) / min(t["base"])
 
 
 def mlp_layer(h, w):

@@ -18,11 +18,11 @@ import gc
 import os
 import platform
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 from _models import mlp_loss, mlp_params, split_static, transformer_loss, transformer_params
+from _timing import interleaved
 
 import tapegrad as tg
 
@@ -33,15 +33,8 @@ def paired(fa, fb, reps: int) -> tuple[float, float, float]:
     The two run alternately, so both see the same load on a shared machine; the
     per-round ratio cancels slow drift. 5 warm-up calls each first (tapegrad compiles
     a repeated eager structure at its third call)."""
-    for _ in range(5):
-        jax.block_until_ready(fa())
-        jax.block_until_ready(fb())
-    ta, tb = [], []
-    for _ in range(reps):
-        for fn, ts in ((fa, ta), (fb, tb)):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            ts.append(time.perf_counter() - t0)
+    t = interleaved({"a": fa, "b": fb}, reps, warmup=5)
+    ta, tb = t["a"], t["b"]
     ratio = statistics.median(a / b for a, b in zip(ta, tb))
     return statistics.median(ta) * 1e3, statistics.median(tb) * 1e3, ratio
 
