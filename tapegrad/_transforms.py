@@ -322,10 +322,12 @@ def value_and_grad(
         t = _Traced(f_dyn, dyn, lambda i: True, has_aux, "grad", pol, passes, mode)
         obs = _anomaly.observer(mode, t.tape, t.in_tree)  # None when anomaly mode is off
         fused = None
+        checked = False  # the output check and the named values, computed once
         if obs is None and is_plain(pol):
             # Nothing observes single records: try forward+backward as one compiled call.
             ydt = _check_grad_output(t, holomorphic)
             capture = _named_vars(t.tape, intermediates)
+            checked = True
             fused = run_grad(t.tape, t.flat, ydt, tuple(capture or ()))
         if fused is not None:
             flat_out, in_cts, captured = fused
@@ -335,8 +337,9 @@ def value_and_grad(
             flat_out, res = forward(t.tape, t.flat, pol, observer=obs)
             if obs is not None:  # eagerly, a NaN in forward raises before backward runs
                 obs.forward_done(t.flat, defer_traced=True)
-            ydt = _check_grad_output(t, holomorphic)
-            capture = _named_vars(t.tape, intermediates)
+            if not checked:
+                ydt = _check_grad_output(t, holomorphic)
+                capture = _named_vars(t.tape, intermediates)
             in_cts = backward(
                 t.tape,
                 res,
