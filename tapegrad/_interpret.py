@@ -21,6 +21,7 @@ import numpy as np
 from jax import lax
 
 from tapegrad import _jax_compat as compat
+from tapegrad._loops import loop_backward, loop_forward
 from tapegrad._tape import Lit, Record, Saved, Segment, Tape, Var, as_dtype
 from tapegrad.errors import ResidualError, where
 from tapegrad.policies._base import SAVE, ResidualInfo, is_plain
@@ -37,7 +38,18 @@ class Residuals:
     still need it so backward can release it after its last use.
     """
 
-    __slots__ = ("store", "refs", "keys", "policy", "infos", "released", "plain", "input_ids")
+    __slots__ = (
+        "store",
+        "refs",
+        "keys",
+        "policy",
+        "infos",
+        "released",
+        "plain",
+        "input_ids",
+        "raw",
+        "loops",
+    )
 
     def __init__(self, policy):
         self.store: dict[Any, Any] = {}
@@ -48,6 +60,10 @@ class Residuals:
         self.policy = policy
         self.released = False
         self.plain = False
+        # Keys stored as they are, never packed: a loop body's residuals that the loop
+        # record keeps once for all steps (its consts, its scanned slices).
+        self.raw: frozenset = frozenset()
+        self.loops: tuple = ()  # the loop records this tape runs inside, outermost first
 
 
 def _bind(rec: Record, ins: list) -> list:
@@ -165,12 +181,17 @@ def forward(
     policy: Any = SAVE,
     observer: Any = None,
     consts: Sequence[Any] | None = None,
+    *,
+    loops: tuple = (),
+    forwarded: frozenset = frozenset(),
 ) -> tuple[list, Residuals]:
     """Run the tape forward; returns (flat outputs, residuals).
 
     ``observer.forward_record(record, ins, outs)``, if given, sees every record's
     values right after it runs (anomaly checks plug in here). ``consts``, if given,
-    replaces the values of the tape's constants (same order).
+    replaces the values of the tape's constants (same order). A loop body runs with
+    ``loops`` (the enclosing loop records) and ``forwarded`` (residual keys the loop
+    record keeps itself, stored unpacked).
     """
     env: dict[int, Any] = {v.id: x for v, x in zip(tape.inputs, args)}
     const_vals = [c for _, c in tape.consts] if consts is None else consts
@@ -188,6 +209,7 @@ def forward(
 
     res = Residuals(policy)
     plain = res.plain = is_plain(policy)
+    res.raw, res.loops = forwarded, loops
     if not plain:
         res.input_ids = frozenset(v.id for v in tape.inputs) | {v.id for v, _ in tape.consts}
     store, refs = res.store, res.refs
@@ -214,7 +236,12 @@ def forward(
 
     for rec in tape.records:
         ins = [env[i.id] if isinstance(i, Var) else i.value for i in rec.inputs]
-        outs, derived = _run(rec, ins)
+        if rec.bodies and rec.rule != "none":
+            outs, body_res = loop_forward(rec, ins, res)
+            derived = None
+            store[("body", rec.index)], refs[("body", rec.index)] = body_res, 1
+        else:
+            outs, derived = _run(rec, ins)
         if observer is not None:
             observer.forward_record(rec, ins, outs)
         for o, val in zip(rec.outputs, outs):
@@ -236,11 +263,13 @@ def forward(
                 else:
                     value = derived[s.index]
                 refs[key] = 1
-                if plain:
+                if plain or key in forwarded:
                     store[key] = value
                 else:
                     store[key] = _pack(res, rec, key, s, value)
             res.keys[rec.index] = tuple(keys)
+        if rec.bodies and rec.rule != "none":
+            res.keys[rec.index] = res.keys.get(rec.index, ()) + (("body", rec.index),)
         for i in rec.inputs:
             if isinstance(i, Var) and last_use.get(i.id) == rec.index:
                 env.pop(i.id, None)
@@ -249,7 +278,7 @@ def forward(
 
 
 def _pack(res: Residuals, rec: Record, key, s, value):
-    info = ResidualInfo(rec, s, s.shape, s.dtype, key in res.input_ids)
+    info = ResidualInfo(rec, s, s.shape, s.dtype, key in res.input_ids, res.loops)
     res.infos[key] = info
     try:
         return res.policy.pack(value, info)
@@ -295,7 +324,7 @@ def _fit(ct, var, rec: Record, i: int):
 
 def _unpack(res: Residuals, rec: Record, key, s):
     packed = res.store[key]
-    if res.plain:
+    if res.plain or key in res.raw:
         value = packed
     else:
         info = res.infos[key]
@@ -472,8 +501,11 @@ def backward(
         trigger[:] = [g for g in gs if g is not None]
         if any(g is not None for g in gs):
             x, y, aux = _saved_values(rec, rec.saves, keys, get)
-            rule = lookup(rec.primitive) or FALLBACK
-            in_cts = _apply_rule(rule, rec, x, y, aux, gs)
+            if rec.bodies:
+                in_cts = loop_backward(rec, x, store[("body", rec.index)], gs, retain)
+            else:
+                rule = lookup(rec.primitive) or FALLBACK
+                in_cts = _apply_rule(rule, rec, x, y, aux, gs)
             if observer is not None:
                 observer.backward_record(rec, gs, in_cts)
             del x, y, aux
@@ -481,6 +513,11 @@ def backward(
                 if ct is not None:
                     accum(inp, ct)
         for key in keys:
+            if type(key) is tuple and key[0] == "body":
+                remaining[key] -= 1
+                if not retain and remaining[key] == 0:
+                    store.pop(key, None)
+                continue
             release(key)
     if not retain:
         res.released = True

@@ -142,6 +142,9 @@ class Record:
       region: the checkpoint region (a `jax.checkpoint` / `tg.checkpoint` call)
         the record was inlined from, if any.
       names: names given to the record's output with `tg.name` / `checkpoint_name`.
+      bodies: for a loop or branch record (``scan``, ``cond``), the sub-tapes it runs:
+        a scan's body (run `trip_count` times), a cond's branches (one runs). Their
+        records save per-step residuals, packed through the same residual policy.
     """
 
     index: int
@@ -158,6 +161,12 @@ class Record:
     prim: Any = field(default=None, repr=False)
     source_info: Any = field(default=None, repr=False)
     bind_params: Any = field(default=None, repr=False)
+    bodies: tuple[Tape, ...] = ()
+
+    @property
+    def trip_count(self) -> int:
+        """How many times a body runs per execution of this record (1 for a branch)."""
+        return int(self.params.get("length", 1)) if self.primitive == "scan" else 1
 
     @property
     def source(self) -> str:

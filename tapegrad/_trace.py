@@ -181,13 +181,8 @@ def tape_from_jaxpr(
     active: set[int] = {
         v.id for v, a in zip(in_vars, active_inputs) if a and is_differentiable_dtype(v.dtype)
     }
-    for raw in b.raws:
-        if raw.name in NONDIFF:
-            continue
-        if any(isinstance(i, Var) and i.id in active for i in raw.inputs):
-            for o in raw.outputs:
-                if is_differentiable_dtype(o.dtype):
-                    active.add(o.id)
+    body_act: dict[int, list[bool]] = {}  # loop/branch raw -> its bodies' active inputs
+    _propagate(b.raws, active, body_act)
 
     # Backward: which active values reach a differentiated output.
     useful: set[int] = {
@@ -228,6 +223,9 @@ def tape_from_jaxpr(
             )
             continue
         act_in = tuple(type(i) is Var and i.id in active and i.id in useful for i in ins)
+        if raw.name in STRUCTURED:
+            records.append(_structured_record(k, raw, act_in, body_act[k], active, useful))
+            continue
         rule = _rule_for(raw)
         if rule.kind == "error":
             raise ReverseModeError(
@@ -285,4 +283,107 @@ def tape_from_jaxpr(
         in_tree=in_tree,
         out_tree=out_tree,
         regions=tuple(b.regions),
+    )
+
+
+# ----------------------------------------------------------- loops and branches
+# A scan or cond keeps its body (branches) as sub-tapes built by this same tracer.
+
+STRUCTURED = frozenset({"scan", "cond"})
+
+
+def _propagate(raws: Sequence[_Raw], active: set[int], body_act: dict[int, list[bool]]) -> None:
+    """Add to ``active`` every raw output that depends on an active value; for loop and
+    branch raws, record (by raw position) the activity of their bodies' inputs."""
+    for k, raw in enumerate(raws):
+        if raw.name in NONDIFF:
+            continue
+        in_act = [isinstance(i, Var) and i.id in active for i in raw.inputs]
+        if not any(in_act):
+            continue
+        if raw.name in STRUCTURED:
+            out_act, body_act[k] = _structured_activity(raw, in_act)
+        else:
+            out_act = [True] * len(raw.outputs)
+        for o, a in zip(raw.outputs, out_act):
+            if a and is_differentiable_dtype(o.dtype):
+                active.add(o.id)
+
+
+def _out_activity(closed, in_act: Sequence[bool]) -> list[bool]:
+    """Which outputs of a closed jaxpr depend on its active inputs."""
+    b = _Builder()
+    in_vars = [b.new_var(v.aval) for v in closed.jaxpr.invars]
+    outs = b.convert(closed.jaxpr, closed.consts, in_vars)
+    active = {v.id for v, a in zip(in_vars, in_act) if a and is_differentiable_dtype(v.dtype)}
+    _propagate(b.raws, active, {})
+    return [isinstance(o, Var) and o.id in active for o in outs]
+
+
+def _structured_activity(raw: _Raw, in_act: list[bool]) -> tuple[list[bool], list[bool]]:
+    """(outputs' activity, the body's inputs' activity) of a scan or cond."""
+    p = raw.params
+    if raw.name == "cond":
+        ops = in_act[1:]
+        out = [False] * len(raw.outputs)
+        for br in p["branches"]:
+            out = [a or b for a, b in zip(out, _out_activity(br, ops))]
+        return out, list(ops)
+    # scan: a carry is active if its initial value is, or if the body makes it so (fixpoint).
+    nc, nk = p["num_consts"], p["num_carry"]
+    act = list(in_act)
+    while True:
+        out = _out_activity(p["jaxpr"], act)
+        carry = [a or o for a, o in zip(act[nc : nc + nk], out[:nk])]
+        if carry == act[nc : nc + nk]:
+            return carry + out[nk:], act
+        act[nc : nc + nk] = carry
+
+
+def _forwarded_saves(body: Tape, positions: dict[int, int]) -> list[int]:
+    """Outer input positions of the body residuals that are the body's own inputs
+    at ``positions`` (body input index -> outer input index): loop-invariant consts and
+    the scanned slices, kept once by the outer record instead of per step."""
+    kept, _ = body.residual_keys()
+    ids = {v.id: i for i, v in enumerate(body.inputs)}
+    return sorted({positions[ids[k]] for k in kept if k in ids and ids[k] in positions})
+
+
+def _structured_record(k, raw: _Raw, act_in, body_act, active, useful) -> Record:
+    p = raw.params
+    out_diff = [o.id in useful for o in raw.outputs]
+    if raw.name == "cond":
+        bodies = tuple(tape_from_jaxpr(br, body_act, out_diff) for br in p["branches"])
+        positions = {j: j + 1 for j in range(len(raw.inputs) - 1)}
+        fwd = sorted({i for body in bodies for i in _forwarded_saves(body, positions)})
+        refs = [0] + fwd  # the branch index picks the branch backward runs
+    else:
+        nc, nk = p["num_consts"], p["num_carry"]
+        # Every active carry receives a cotangent from the next step.
+        body_diff = [o.id in active for o in raw.outputs[:nk]] + out_diff[nk:]
+        body_diff[:nk] = [a or d for a, d in zip(body_act[nc : nc + nk], body_diff[:nk])]
+        bodies = (tape_from_jaxpr(p["jaxpr"], body_act, body_diff),)
+        positions = {j: j for j in range(nc)}
+        positions.update((j, j) for j in range(nc + nk, len(raw.inputs)))
+        refs = _forwarded_saves(bodies[0], positions)
+    saves = tuple(
+        Saved("in", i, tuple(raw.inputs[i].shape), as_dtype(raw.inputs[i].dtype))
+        for i in refs
+        if not isinstance(raw.inputs[i], Lit)
+    )
+    return Record(
+        k,
+        raw.name,
+        tuple(raw.inputs),
+        tuple(raw.outputs),
+        MappingProxyType(raw.params),
+        saves=saves,
+        active=act_in,
+        rule="loop" if raw.name == "scan" else "branch",
+        region=raw.region,
+        names=raw.names,
+        prim=raw.prim,
+        source_info=raw.source_info,
+        bind_params=raw.prim.get_bind_params(raw.params),
+        bodies=bodies,
     )

@@ -43,10 +43,26 @@ class ResidualInfo:
     # The value is one of the traced function's own inputs (or a closed-over constant):
     # the caller holds it anyway, so moving or compressing it frees no memory.
     is_input: bool = False
+    # The loop records (scan) this residual's record runs inside, outermost first: the
+    # residual is packed once per step, `trip_count` times in all.
+    loops: tuple = ()
 
     @property
     def nbytes(self) -> int:
+        """Bytes of one packed value (one step's, inside a loop)."""
         return int(np.prod(self.shape, dtype=np.int64)) * int(getattr(self.dtype, "itemsize", 0))
+
+    @property
+    def trip_count(self) -> int:
+        """How many times this residual is packed per forward (product of loop lengths)."""
+        n = 1
+        for rec in self.loops:
+            n *= rec.trip_count
+        return n
+
+    @property
+    def in_loop(self) -> bool:
+        return bool(self.loops)
 
     @property
     def primitive(self) -> str:

@@ -1,0 +1,352 @@
+"""Forward and backward of loop and branch records (``scan``, ``cond``).
+
+A loop record carries its body as a `Tape`; its forward runs the *same*
+forward interpreter on that body once per step, and its backward runs the same
+backward interpreter once per step in the opposite order. Nothing here knows
+a rule: it only moves values between steps.
+
+* Per-step residuals are packed inside the step, through the active policy, so
+  a policy that moves or shrinks a residual does it step by step. Residuals
+  that are the body's loop-invariant inputs (a scan's consts) or its scanned
+  slices are not stacked: the outer record saves them once (its ``saves``) and
+  backward hands them (or the step's slice) back to the body.
+* Under a trace, or eagerly with `save()`, a scan is a ``lax.scan`` whose body
+  runs the interpreter: the packed residuals leave it as stacked outputs, and
+  backward is a reverse ``lax.scan`` over them. Eagerly with any other policy
+  the steps run as a Python loop, so the policy sees concrete arrays one step
+  at a time (offload really moves each step to host as it is produced).
+* A cond with a concrete index runs the branch taken; under a trace it is a
+  ``lax.switch`` whose residuals are the union over branches (zeros for the
+  branches not taken, as jax does), and backward switches on the saved index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from tapegrad._tape import Record, Tape
+
+__all__ = ["loop_forward", "loop_backward", "forwarded_ids"]
+
+
+def forwarded_ids(rec: Record) -> frozenset[int]:
+    """Ids of the body inputs whose residuals the outer record keeps once (consts and
+    scanned slices of a scan, every operand of a cond)."""
+    body = rec.bodies[0]
+    if rec.primitive == "cond":
+        return frozenset(v.id for b in rec.bodies for v in b.inputs)
+    nc, nk = rec.params["num_consts"], rec.params["num_carry"]
+    return frozenset(v.id for j, v in enumerate(body.inputs) if j < nc or j >= nc + nk)
+
+
+class _Stored:
+    """The per-step residuals of one loop/branch record's forward.
+
+    ``skel`` is a body `Residuals` without values (keys, refs, infos, policy); ``keys``
+    the order of the per-step values; ``values`` their stacked (scan) or union (switch)
+    values, or ``steps``: one `Residuals` per step (Python-loop mode, concrete cond).
+    """
+
+    __slots__ = ("skel", "keys", "values", "steps", "branch")
+
+    def __init__(self, skel=None, keys=None, values=None, steps=None, branch=None):
+        self.skel, self.keys, self.values, self.steps, self.branch = (
+            skel,
+            keys,
+            values,
+            steps,
+            branch,
+        )
+
+
+def _concrete(vals: Sequence[Any]) -> bool:
+    return not any(isinstance(v, jax.core.Tracer) for v in vals)
+
+
+def _coerce(vals: Sequence[Any], vars_) -> list:
+    """Body outputs as arrays of the body's declared types (lax.scan checks carries)."""
+    out = []
+    for v, var in zip(vals, vars_):
+        a = jnp.asarray(v)
+        if a.dtype != var.dtype and jnp.issubdtype(var.dtype, jnp.number):
+            a = a.astype(var.dtype)
+        out.append(a)
+    return out
+
+
+def loop_forward(rec: Record, ins: list, res) -> tuple[list, _Stored]:
+    """Outputs of a loop/branch record and its per-step residuals, packed through
+    ``res.policy`` (``res`` is the enclosing tape's `Residuals`)."""
+    if rec.primitive == "cond":
+        return _cond_forward(rec, ins, res)
+    return _scan_forward(rec, ins, res)
+
+
+def loop_backward(rec: Record, x: list, stored: _Stored, gs: list, retain: bool) -> list:
+    """Cotangents of a loop/branch record's inputs (None where none); ``x`` holds the
+    record's saved inputs (consts, scanned inputs, a cond's index and operands)."""
+    if rec.primitive == "cond":
+        return _cond_backward(rec, x, stored, gs, retain)
+    return _scan_backward(rec, x, stored, gs, retain)
+
+
+def _body_forward(body: Tape, args, res, rec: Record, fwd: frozenset[int]):
+    from tapegrad._interpret import forward
+
+    return forward(body, args, res.policy, loops=res.loops + (rec,), forwarded=fwd, observer=None)
+
+
+def _clone(skel, store: dict):
+    from tapegrad._interpret import Residuals
+
+    r = Residuals(skel.policy)
+    r.store = store
+    r.refs, r.keys, r.infos = skel.refs, skel.keys, skel.infos
+    r.input_ids, r.plain, r.raw, r.loops = skel.input_ids, skel.plain, skel.raw, skel.loops
+    return r
+
+
+def _body_backward(body: Tape, r, cts, retain: bool) -> list:
+    from tapegrad._interpret import backward
+
+    return backward(body, r, cts, retain=retain)
+
+
+def _zeros(var):
+    return jnp.zeros(var.shape, var.dtype)
+
+
+# ------------------------------------------------------------------------ scan
+
+
+def _scan_forward(rec: Record, ins: list, res) -> tuple[list, _Stored]:
+    p = rec.params
+    body = rec.bodies[0]
+    nc, nk, T = p["num_consts"], p["num_carry"], int(p["length"])
+    consts, init, xs = ins[:nc], ins[nc : nc + nk], ins[nc + nk :]
+    fwd = forwarded_ids(rec)
+    if not res.plain and _concrete(ins):
+        # Eagerly, a policy other than save() sees one step's concrete arrays at a time.
+        steps: list[Any] = [None] * T
+        ys_t: list[Any] = [None] * T
+        carry = list(init)
+        for t in reversed(range(T)) if p["reverse"] else range(T):
+            outs, r = _body_forward(body, [*consts, *carry, *(x[t] for x in xs)], res, rec, fwd)
+            for k in fwd:
+                r.store.pop(k, None)
+            steps[t], carry, ys_t[t] = r, outs[:nk], outs[nk:]
+        n_ys = len(rec.outputs) - nk
+        ys = [
+            jnp.stack([jnp.asarray(ys_t[t][j]) for t in range(T)])
+            if T
+            else _zeros(rec.outputs[nk + j])
+            for j in range(n_ys)
+        ]
+        return _coerce(carry, rec.outputs[:nk]) + ys, _Stored(steps=steps)
+
+    box: dict[str, Any] = {}
+
+    def step(carry, x):
+        outs, r = _body_forward(body, [*consts, *carry, *x], res, rec, fwd)
+        keys = [k for k in r.store if k not in fwd]
+        box["skel"], box["keys"] = r, keys
+        ys = _coerce(outs[nk:], body.outputs[nk:])
+        return _coerce(outs[:nk], body.outputs[:nk]), (ys, [r.store[k] for k in keys])
+
+    carry, (ys, stacked) = lax.scan(
+        step, list(init), list(xs), length=T, reverse=p["reverse"], unroll=p["unroll"]
+    )
+    skel = box["skel"]
+    skel.store = {}
+    return list(carry) + list(ys), _Stored(skel=skel, keys=box["keys"], values=stacked)
+
+
+def _scan_backward(rec: Record, x: list, stored: _Stored, gs: list, retain: bool) -> list:
+    p = rec.params
+    body = rec.bodies[0]
+    nc, nk, T = p["num_consts"], p["num_carry"], int(p["length"])
+    n_xs = len(rec.inputs) - nc - nk
+    fwd = forwarded_ids(rec)
+    const_store = {body.inputs[j].id: x[j] for j in range(nc) if body.inputs[j].id in fwd}
+    xs_pos = [
+        j for j in range(n_xs) if body.inputs[nc + nk + j].id in fwd and x[nc + nk + j] is not None
+    ]
+    # Which carries carry a cotangent between steps, which consts accumulate one.
+    c_act = [body.active_inputs[nc + j] and _inexact(body.inputs[nc + j]) for j in range(nk)]
+    k_act = [rec.active[j] for j in range(nc)]
+    x_act = [rec.active[nc + nk + j] for j in range(n_xs)]
+    y_ct = [j for j in range(len(rec.outputs) - nk) if gs[nk + j] is not None]
+
+    def step_cts(r, ct_c, ct_y):
+        cts = [ct_c[j] if c_act[j] else None for j in range(nk)]
+        ys_cts: list[Any] = [None] * (len(rec.outputs) - nk)
+        for j, g in zip(y_ct, ct_y):
+            ys_cts[j] = g
+        in_cts = _body_backward(body, r, cts + ys_cts, retain)
+        new_c = [
+            (in_cts[nc + j] if in_cts[nc + j] is not None else _zeros(body.inputs[nc + j]))
+            if c_act[j]
+            else None
+            for j in range(nk)
+        ]
+        return in_cts, new_c
+
+    ct_c0 = [
+        (gs[j] if gs[j] is not None else _zeros(body.inputs[nc + j])) if c_act[j] else None
+        for j in range(nk)
+    ]
+    acc0 = [_zeros(body.inputs[j]) if k_act[j] else None for j in range(nc)]
+
+    if stored.steps is not None:  # Python-loop mode
+        ct_c, acc = ct_c0, acc0
+        ct_xs_t: list[Any] = [None] * T
+        for t in range(T) if p["reverse"] else reversed(range(T)):
+            r = stored.steps[t]
+            r.store.update(const_store)
+            for j in xs_pos:
+                r.store[body.inputs[nc + nk + j].id] = x[nc + nk + j][t]
+            in_cts, ct_c = step_cts(r, ct_c, [gs[nk + j][t] for j in y_ct])
+            acc = [_add(a, c) for a, c in zip(acc, in_cts[:nc])]
+            ct_xs_t[t] = in_cts[nc + nk :]
+            if not retain:
+                stored.steps[t] = None
+        ct_xs = [
+            _stack_cts([ct_xs_t[t][j] for t in range(T)], rec.inputs[nc + nk + j])
+            if x_act[j]
+            else None
+            for j in range(n_xs)
+        ]
+    else:
+
+        def bstep(carry, inp):
+            ct_c, acc = carry
+            vals, x_sl, ct_y = inp
+            store = dict(zip(stored.keys, vals))
+            store.update(const_store)
+            for j, v in zip(xs_pos, x_sl):
+                store[body.inputs[nc + nk + j].id] = v
+            in_cts, new_c = step_cts(_clone(stored.skel, store), ct_c, ct_y)
+            acc = [_add(a, c) for a, c in zip(acc, in_cts[:nc])]
+            ct_x = [
+                (c if c is not None else _zeros(body.inputs[nc + nk + j])) if x_act[j] else None
+                for j, c in enumerate(in_cts[nc + nk :])
+            ]
+            return (new_c, acc), ct_x
+
+        (ct_c, acc), ct_xs = lax.scan(
+            bstep,
+            (ct_c0, acc0),
+            (stored.values, [x[nc + nk + j] for j in xs_pos], [gs[nk + j] for j in y_ct]),
+            length=T,
+            reverse=not p["reverse"],
+            unroll=p["unroll"],
+        )
+        ct_xs = list(ct_xs)
+        if not retain:
+            stored.values = None
+    out: list[Any] = [None] * len(rec.inputs)
+    for j in range(nc):
+        out[j] = acc[j] if k_act[j] else None
+    for j in range(nk):
+        out[nc + j] = ct_c[j] if (rec.active[nc + j] and c_act[j]) else None
+    for j in range(n_xs):
+        out[nc + nk + j] = ct_xs[j] if x_act[j] else None
+    return out
+
+
+def _inexact(var) -> bool:
+    try:
+        return bool(jnp.issubdtype(var.dtype, jnp.inexact))
+    except TypeError:
+        return False
+
+
+def _add(a, c):
+    if a is None or c is None:
+        return a
+    return lax.add(a, c.astype(a.dtype) if c.dtype != a.dtype else c)
+
+
+def _stack_cts(cts: list, var) -> Any:
+    per = [c if c is not None else jnp.zeros(var.shape[1:], var.dtype) for c in cts]
+    return jnp.stack(per) if per else jnp.zeros(var.shape, var.dtype)
+
+
+# ------------------------------------------------------------------------ cond
+
+
+def _cond_forward(rec: Record, ins: list, res) -> tuple[list, _Stored]:
+    idx, ops = ins[0], ins[1:]
+    fwd = forwarded_ids(rec)
+    n = len(rec.bodies)
+    if _concrete([idx]):
+        b = int(min(max(int(idx), 0), n - 1))
+        outs, r = _body_forward(rec.bodies[b], list(ops), res, rec, fwd)
+        for k in fwd:
+            r.store.pop(k, None)
+        return _coerce(outs, rec.outputs), _Stored(steps=[r], branch=b)
+
+    skels: list[Any] = [None] * n
+    keys: list[Any] = [None] * n
+
+    def branch_fn(b):
+        def run(*ops):
+            outs, r = _body_forward(rec.bodies[b], list(ops), res, rec, fwd)
+            skels[b], keys[b] = r, [k for k in r.store if k not in fwd]
+            return _coerce(outs, rec.outputs), [r.store[k] for k in keys[b]]
+
+        return run
+
+    shapes = [jax.eval_shape(branch_fn(b), *ops)[1] for b in range(n)]
+
+    def with_union(b):
+        def run(*ops):
+            outs, packed = branch_fn(b)(*ops)
+            union = [
+                packed if c == b else jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[c])
+                for c in range(n)
+            ]
+            return outs, union
+
+        return run
+
+    outs, union = lax.switch(idx, [with_union(b) for b in range(n)], *ops)
+    for s in skels:
+        s.store = {}
+    return list(outs), _Stored(skel=skels, keys=keys, values=union)
+
+
+def _cond_backward(rec: Record, x: list, stored: _Stored, gs: list, retain: bool) -> list:
+    ops_vars = rec.inputs[1:]
+    act = rec.active[1:]
+
+    def run(b, r, ops_saved):
+        body = rec.bodies[b]
+        for v, val in zip(body.inputs, ops_saved):
+            if val is not None:
+                r.store[v.id] = val
+        in_cts = _body_backward(body, r, list(gs), retain)
+        return [
+            (c if c is not None else _zeros(v)) if a else None
+            for c, v, a in zip(in_cts, ops_vars, act)
+        ]
+
+    if stored.branch is not None:
+        cts = run(stored.branch, stored.steps[0], x[1:])
+    else:
+
+        def bwd(b):
+            def f(union, ops_saved):
+                return run(
+                    b, _clone(stored.skel[b], dict(zip(stored.keys[b], union[b]))), ops_saved
+                )
+
+            return f
+
+        cts = lax.switch(x[0], [bwd(b) for b in range(len(rec.bodies))], stored.values, list(x[1:]))
+    return [None] + list(cts)
