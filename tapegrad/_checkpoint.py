@@ -198,9 +198,40 @@ def _region_decides(rec: Record, region) -> str:
     return "save" if compat.policy_says_save(pol, prim, avals, params) else "recompute"
 
 
-def decide_records(tape: Tape, policy: Any) -> list[str]:
+def _plan_bodies(tape: Tape, policy: Any) -> Tape:
+    if not any(r.bodies for r in tape.records):
+        return tape
+    from tapegrad._loops import outer_saves
+
+    records = []
+    for rec in tape.records:
+        if rec.bodies and rec.rule != "none":
+            bodies = tuple(
+                plan_recompute(b, policy, decide_records(b, policy, whole=False))
+                for b in rec.bodies
+            )
+            if any(b is not a for a, b in zip(rec.bodies, bodies)):
+                rec = dataclasses.replace(rec, bodies=bodies)
+                rec = dataclasses.replace(rec, saves=outer_saves(rec))
+        records.append(rec)
+    return dataclasses.replace(tape, records=tuple(records))
+
+
+def decide_records(tape: Tape, policy: Any, whole: bool = True) -> list[str]:
+    """Each record's decision; ``whole=False`` for a loop body, which a whole-tape
+    planner (`budget`) does not plan: only binding per-record choices apply there."""
     regions = {r.id: r for r in tape.regions}
     plan = getattr(policy, "plan", None)
+    if plan is not None and not whole:
+        choose = getattr(getattr(policy, "base", None), "choose", None)
+        out = []
+        for rec in tape.records:
+            if rec.region is not None:
+                out.append(_region_decides(rec, regions[rec.region]))
+            else:
+                c = choose(rec) if choose is not None else None
+                out.append("recompute" if c is P.NEVER else "save")
+        return out
     base = getattr(policy, "base", None) if plan is not None else policy
     choose = getattr(base, "choose", None)
     decide = getattr(policy, "decide", None)
@@ -394,7 +425,11 @@ def segment_peak(tape: Tape, seg: Segment) -> int:
 
 
 def plan_recompute(tape: Tape, policy: Any = None, decisions: Sequence[str] | None = None) -> Tape:
-    """Tape pass: set each record's decision and build the recompute segments."""
+    """Tape pass: set each record's decision and build the recompute segments.
+
+    Loop and branch bodies are planned first, record by record (`selective`, checkpoint
+    regions inside the body): a body's segments recompute within one step."""
+    tape = _plan_bodies(tape, policy)
     if decisions is None:
         decisions = decide_records(tape, policy)
     if all(d == "save" for d in decisions) and all(r.decision == "save" for r in tape.records):

@@ -125,10 +125,15 @@ def _var_key(v: Var) -> tuple:
     return (v.id, v.shape, v.dtype)
 
 
+def _has_segments(tape: Tape) -> bool:
+    # A body's plan (which records recompute) is not in its record's params.
+    return bool(tape.segments) or any(_has_segments(b) for r in tape.records for b in r.bodies)
+
+
 def grad_key(tape: Tape, extra: tuple = ()) -> tuple | None:
     """A hashable key equal for two tapes exactly when the interpreters would run the
     same computation on them; None when the tape cannot be keyed soundly."""
-    if tape.segments:
+    if _has_segments(tape):
         return None
     try:
         recs = []

@@ -227,7 +227,9 @@ def forward(
         refs[var_id] = uses
         u = rec.inputs[i]
         store[var_id] = (
-            value if plain else _pack(res, rec, var_id, Saved("in", i, u.shape, u.dtype), value)
+            value
+            if plain or var_id in forwarded
+            else _pack(res, rec, var_id, Saved("in", i, u.shape, u.dtype), value)
         )
 
     for v in list(tape.inputs) + [c for c, _ in tape.consts]:

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tapegrad._tape import Record, Tape
+from tapegrad._tape import Lit, Record, Saved, Tape, as_dtype
 
 __all__ = ["loop_forward", "loop_backward", "forwarded_ids"]
 
@@ -42,6 +42,29 @@ def forwarded_ids(rec: Record) -> frozenset[int]:
         return frozenset(v.id for b in rec.bodies for v in b.inputs)
     nc, nk = rec.params["num_consts"], rec.params["num_carry"]
     return frozenset(v.id for j, v in enumerate(body.inputs) if j < nc or j >= nc + nk)
+
+
+def outer_saves(rec: Record) -> tuple[Saved, ...]:
+    """What a loop/branch record keeps itself: the inputs its bodies' residuals forward
+    (kept once, not per step), and a cond's index (backward runs the branch it picks)."""
+    keep: set[int] = {0} if rec.primitive == "cond" else set()
+    for body in rec.bodies:
+        kept, _ = body.residual_keys()
+        pos = _outer_positions(rec, body)
+        keep.update(pos[k] for k in kept if k in pos)
+    return tuple(
+        Saved("in", i, tuple(v.shape), as_dtype(v.dtype))
+        for i in sorted(keep)
+        if not isinstance(v := rec.inputs[i], Lit)
+    )
+
+
+def _outer_positions(rec: Record, body: Tape) -> dict[int, int]:
+    """Body input id -> the outer input it is (or is sliced from), for forwarded inputs."""
+    if rec.primitive == "cond":
+        return {v.id: j + 1 for j, v in enumerate(body.inputs)}
+    nc, nk = rec.params["num_consts"], rec.params["num_carry"]
+    return {v.id: j for j, v in enumerate(body.inputs) if j < nc or j >= nc + nk}
 
 
 class _Stored:
@@ -62,6 +85,31 @@ class _Stored:
             steps,
             branch,
         )
+
+
+class _Static:
+    """Pytree metadata that never tells two traces apart: the branches of a
+    ``lax.switch`` (and its ``eval_shape``) trace a nested record's skeleton separately,
+    and the skeletons hold equal structure in different objects."""
+
+    __slots__ = ("v",)
+
+    def __init__(self, v):
+        self.v = v
+
+    def __eq__(self, other) -> bool:
+        return type(other) is _Static
+
+    def __hash__(self) -> int:
+        return 0
+
+
+# A nested loop's residuals leave the enclosing step as a pytree: its values are leaves.
+jax.tree_util.register_pytree_node(
+    _Stored,
+    lambda s: ((s.values,), _Static((s.skel, s.keys, s.steps, s.branch))),
+    lambda a, c: _Stored(a.v[0], a.v[1], c[0], a.v[2], a.v[3]),
+)
 
 
 def _concrete(vals: Sequence[Any]) -> bool:

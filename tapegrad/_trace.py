@@ -12,6 +12,7 @@ and decides, per record, what it saves for backward:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 from types import MappingProxyType
@@ -20,6 +21,7 @@ from typing import Any
 import jax
 
 from tapegrad import _jax_compat as compat
+from tapegrad._loops import outer_saves
 from tapegrad._tape import Lit, Record, Region, Saved, Tape, Var, as_dtype
 from tapegrad.errors import ReverseModeError
 from tapegrad.rules import FALLBACK, NONDIFF, WHILE_ERROR, lookup
@@ -340,44 +342,23 @@ def _structured_activity(raw: _Raw, in_act: list[bool]) -> tuple[list[bool], lis
         act[nc : nc + nk] = carry
 
 
-def _forwarded_saves(body: Tape, positions: dict[int, int]) -> list[int]:
-    """Outer input positions of the body residuals that are the body's own inputs
-    at ``positions`` (body input index -> outer input index): loop-invariant consts and
-    the scanned slices, kept once by the outer record instead of per step."""
-    kept, _ = body.residual_keys()
-    ids = {v.id: i for i, v in enumerate(body.inputs)}
-    return sorted({positions[ids[k]] for k in kept if k in ids and ids[k] in positions})
-
-
 def _structured_record(k, raw: _Raw, act_in, body_act, active, useful) -> Record:
     p = raw.params
     out_diff = [o.id in useful for o in raw.outputs]
     if raw.name == "cond":
         bodies = tuple(tape_from_jaxpr(br, body_act, out_diff) for br in p["branches"])
-        positions = {j: j + 1 for j in range(len(raw.inputs) - 1)}
-        fwd = sorted({i for body in bodies for i in _forwarded_saves(body, positions)})
-        refs = [0] + fwd  # the branch index picks the branch backward runs
     else:
         nc, nk = p["num_consts"], p["num_carry"]
         # Every active carry receives a cotangent from the next step.
         body_diff = [o.id in active for o in raw.outputs[:nk]] + out_diff[nk:]
         body_diff[:nk] = [a or d for a, d in zip(body_act[nc : nc + nk], body_diff[:nk])]
         bodies = (tape_from_jaxpr(p["jaxpr"], body_act, body_diff),)
-        positions = {j: j for j in range(nc)}
-        positions.update((j, j) for j in range(nc + nk, len(raw.inputs)))
-        refs = _forwarded_saves(bodies[0], positions)
-    saves = tuple(
-        Saved("in", i, tuple(raw.inputs[i].shape), as_dtype(raw.inputs[i].dtype))
-        for i in refs
-        if not isinstance(raw.inputs[i], Lit)
-    )
-    return Record(
+    rec = Record(
         k,
         raw.name,
         tuple(raw.inputs),
         tuple(raw.outputs),
         MappingProxyType(raw.params),
-        saves=saves,
         active=act_in,
         rule="loop" if raw.name == "scan" else "branch",
         region=raw.region,
@@ -387,3 +368,4 @@ def _structured_record(k, raw: _Raw, act_in, body_act, active, useful) -> Record
         bind_params=raw.prim.get_bind_params(raw.params),
         bodies=bodies,
     )
+    return dataclasses.replace(rec, saves=outer_saves(rec))
