@@ -345,15 +345,74 @@ class Site:
     record: Record | None = None
     var: Any = None
     label: str = ""
+    # kind "loop": the checks of a loop/branch record's body, once per step; ``body`` are
+    # one step's sites, ``steps`` the step indices in the order they ran.
+    body: tuple[Site, ...] = ()
+    steps: tuple[int, ...] = ()
+    producers: Any = None
+
+    @property
+    def size(self) -> int:
+        """How many probes this site stands for."""
+        if self.kind != "loop":
+            return 1
+        return len(self.steps) * sum(s.size for s in self.body)
+
+
+def locate(sites: Sequence[Site], k: int) -> tuple[Site, list[tuple[Site, int]]]:
+    """The site of flat probe ``k`` and the loops (with their step) it sits in."""
+    for s in sites:
+        n = s.size
+        if k < n:
+            if s.kind != "loop":
+                return s, []
+            t, r = divmod(k, n // len(s.steps))
+            sub, path = locate(s.body, r)
+            return sub, [(s, s.steps[t])] + path
+        k -= n
+    raise IndexError(k)
+
+
+def flat_codes(codes: Sequence[Any]):
+    """One vector of probes: a loop's block of probes is flattened in place."""
+    if not any(isinstance(c, jax.core.Tracer) for c in codes):
+        return np.concatenate([np.ravel(np.asarray(c, np.float32)) for c in jax.device_get(codes)])
+    return jnp.concatenate([jnp.ravel(c).astype(jnp.float32) for c in codes])
 
 
 def _what(code: int) -> str:
     return "NaN" if code == NAN else "Inf"
 
 
+def _loop_lines(path: Sequence[tuple[Site, int]]) -> list[str]:
+    lines = []
+    for loop, t in path:
+        rec = loop.record
+        assert rec is not None
+        if rec.primitive == "cond":
+            lines.append(f"Inside branch {t} of 'cond' (record #{rec.index}) at {rec.source}.")
+        else:
+            lines.append(
+                f"Inside step {t} (from 0) of {rec.trip_count} of '{rec.primitive}' "
+                f"(record #{rec.index}) at {rec.source}; the record numbers above are the "
+                "loop body's."
+            )
+    return lines
+
+
 def message(
-    site: Site, code: int, producers: dict[int, Record], mode: AnomalyMode, traced: bool
+    site: Site,
+    code: int,
+    producers: dict[int, Record],
+    mode: AnomalyMode,
+    traced: bool,
+    path: Sequence[tuple[Site, int]] = (),
 ) -> str:
+    if path:
+        producers = path[-1][0].producers
+        text = message(site, code, producers, mode, traced)
+        first, _, rest = text.partition("\n")
+        return "\n".join([first, *_loop_lines(path), rest])
     bad = _what(code)
     var = f"{site.var}:{site.var.aval}" if isinstance(site.var, Var) else str(site.var)
     lines: list[str]
@@ -419,10 +478,11 @@ class _Report:
         self.sites, self.producers, self.mode = tuple(sites), producers, mode
 
     def __call__(self, codes, traced: bool = True) -> None:
-        hit = first_bad(codes, len(self.sites), self.mode)
+        hit = first_bad(codes, sum(s.size for s in self.sites), self.mode)
         if hit is not None:
             k, code = hit
-            raise AnomalyError(message(self.sites[k], code, self.producers, self.mode, traced))
+            site, path = locate(self.sites, k)
+            raise AnomalyError(message(site, code, self.producers, self.mode, traced, path))
 
 
 def emit(
@@ -442,9 +502,9 @@ def emit(
         return values
     report = _Report(sites, producers, mode)
     if not any(isinstance(c, jax.core.Tracer) for c in codes):
-        report(np.asarray(jax.device_get(codes)), traced=False)
+        report(flat_codes(codes), traced=False)
         return values
-    probes = lax.stop_gradient(jnp.stack(codes))  # under an outer jax.grad: no tangent
+    probes = lax.stop_gradient(flat_codes(codes))  # under an outer jax.grad: no tangent
     bad = jnp.zeros((), bool)
     if mode.check_nan:
         bad = bad | jnp.any(jnp.isnan(probes))
@@ -536,6 +596,21 @@ class AnomalyObserver:
             self.codes.append(code_of(value, self.mode))
 
     # -- called by the interpreters
+    def child(self, body: Tape) -> AnomalyObserver:
+        """An observer for one step of a loop (or a branch) running ``body``."""
+        return AnomalyObserver(self.mode, body)
+
+    def step_codes(self):
+        """This (child) observer's probes as one vector, for a loop to stack per step."""
+        return flat_codes(self.codes) if self.codes else jnp.zeros((0,), jnp.float32)
+
+    def add_loop(self, rec: Record, child: AnomalyObserver, codes, steps: Sequence[int]) -> None:
+        """The probes of a loop's steps (``codes[i]`` ran as step ``steps[i]``)."""
+        if child.sites:
+            site = Site("loop", rec.index, rec, None, "", tuple(child.sites), tuple(steps))
+            self.sites.append(dataclasses.replace(site, producers=child.producers))
+            self.codes.append(codes)
+
     def forward_record(self, rec: Record, ins: list, outs: list) -> None:
         if self.mode.forward:
             for k, (v, x) in enumerate(zip(rec.outputs, outs)):

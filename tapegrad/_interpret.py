@@ -239,7 +239,7 @@ def forward(
     for rec in tape.records:
         ins = [env[i.id] if isinstance(i, Var) else i.value for i in rec.inputs]
         if rec.bodies and rec.rule != "none":
-            outs, body_res = loop_forward(rec, ins, res)
+            outs, body_res = loop_forward(rec, ins, res, observer)
             derived = None
             store[("body", rec.index)], refs[("body", rec.index)] = body_res, 1
         else:
@@ -504,7 +504,7 @@ def backward(
         if any(g is not None for g in gs):
             x, y, aux = _saved_values(rec, rec.saves, keys, get)
             if rec.bodies:
-                in_cts = loop_backward(rec, x, store[("body", rec.index)], gs, retain)
+                in_cts = loop_backward(rec, x, store[("body", rec.index)], gs, retain, observer)
             else:
                 rule = lookup(rec.primitive) or FALLBACK
                 in_cts = _apply_rule(rule, rec, x, y, aux, gs)

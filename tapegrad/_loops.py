@@ -127,26 +127,36 @@ def _coerce(vals: Sequence[Any], vars_) -> list:
     return out
 
 
-def loop_forward(rec: Record, ins: list, res) -> tuple[list, _Stored]:
+def loop_forward(rec: Record, ins: list, res, observer=None) -> tuple[list, _Stored]:
     """Outputs of a loop/branch record and its per-step residuals, packed through
-    ``res.policy`` (``res`` is the enclosing tape's `Residuals`)."""
+    ``res.policy`` (``res`` is the enclosing tape's `Residuals`). An anomaly
+    ``observer`` receives the body's checks of every step as one block."""
     if rec.primitive == "cond":
-        return _cond_forward(rec, ins, res)
-    return _scan_forward(rec, ins, res)
+        return _cond_forward(rec, ins, res, observer)
+    return _scan_forward(rec, ins, res, observer)
 
 
-def loop_backward(rec: Record, x: list, stored: _Stored, gs: list, retain: bool) -> list:
+def loop_backward(
+    rec: Record, x: list, stored: _Stored, gs: list, retain: bool, observer=None
+) -> list:
     """Cotangents of a loop/branch record's inputs (None where none); ``x`` holds the
     record's saved inputs (consts, scanned inputs, a cond's index and operands)."""
     if rec.primitive == "cond":
-        return _cond_backward(rec, x, stored, gs, retain)
-    return _scan_backward(rec, x, stored, gs, retain)
+        return _cond_backward(rec, x, stored, gs, retain, observer)
+    return _scan_backward(rec, x, stored, gs, retain, observer)
 
 
-def _body_forward(body: Tape, args, res, rec: Record, fwd: frozenset[int]):
+def _body_forward(body: Tape, args, res, rec: Record, fwd: frozenset[int], child=None):
     from tapegrad._interpret import forward
 
-    return forward(body, args, res.policy, loops=res.loops + (rec,), forwarded=fwd, observer=None)
+    loops = res.loops + (rec,)
+    return forward(body, args, res.policy, loops=loops, forwarded=fwd, observer=child)
+
+
+def _body_backward(body: Tape, r, cts, retain: bool, child=None) -> list:
+    from tapegrad._interpret import backward
+
+    return backward(body, r, cts, retain=retain, observer=child)
 
 
 def _clone(skel, store: dict):
@@ -159,10 +169,13 @@ def _clone(skel, store: dict):
     return r
 
 
-def _body_backward(body: Tape, r, cts, retain: bool) -> list:
-    from tapegrad._interpret import backward
+def _child(observer, body: Tape):
+    """An anomaly observer for one step of ``body`` (None when anomaly mode is off)."""
+    return observer.child(body) if observer is not None else None
 
-    return backward(body, r, cts, retain=retain)
+
+def _codes(child):
+    return child.step_codes() if child is not None else jnp.zeros((0,), jnp.float32)
 
 
 def _zeros(var):
@@ -172,22 +185,29 @@ def _zeros(var):
 # ------------------------------------------------------------------------ scan
 
 
-def _scan_forward(rec: Record, ins: list, res) -> tuple[list, _Stored]:
+def _scan_forward(rec: Record, ins: list, res, observer) -> tuple[list, _Stored]:
     p = rec.params
     body = rec.bodies[0]
     nc, nk, T = p["num_consts"], p["num_carry"], int(p["length"])
     consts, init, xs = ins[:nc], ins[nc : nc + nk], ins[nc + nk :]
     fwd = forwarded_ids(rec)
+    order = list(reversed(range(T)) if p["reverse"] else range(T))  # the steps as they run
     if not res.plain and _concrete(ins):
         # Eagerly, a policy other than save() sees one step's concrete arrays at a time.
         steps: list[Any] = [None] * T
         ys_t: list[Any] = [None] * T
         carry = list(init)
-        for t in reversed(range(T)) if p["reverse"] else range(T):
-            outs, r = _body_forward(body, [*consts, *carry, *(x[t] for x in xs)], res, rec, fwd)
+        codes, child = [], None
+        for t in order:
+            child = _child(observer, body)
+            args = [*consts, *carry, *(x[t] for x in xs)]
+            outs, r = _body_forward(body, args, res, rec, fwd, child)
+            codes.append(_codes(child))
             for k in fwd:
                 r.store.pop(k, None)
             steps[t], carry, ys_t[t] = r, outs[:nk], outs[nk:]
+        if child is not None:
+            observer.add_loop(rec, child, jnp.stack(codes), order)
         n_ys = len(rec.outputs) - nk
         ys = [
             jnp.stack([jnp.asarray(ys_t[t][j]) for t in range(T)])
@@ -200,21 +220,28 @@ def _scan_forward(rec: Record, ins: list, res) -> tuple[list, _Stored]:
     box: dict[str, Any] = {}
 
     def step(carry, x):
-        outs, r = _body_forward(body, [*consts, *carry, *x], res, rec, fwd)
+        child = box["child"] = _child(observer, body)
+        outs, r = _body_forward(body, [*consts, *carry, *x], res, rec, fwd, child)
         keys = [k for k in r.store if k not in fwd]
         box["skel"], box["keys"] = r, keys
         ys = _coerce(outs[nk:], body.outputs[nk:])
-        return _coerce(outs[:nk], body.outputs[:nk]), (ys, [r.store[k] for k in keys])
+        return _coerce(outs[:nk], body.outputs[:nk]), (
+            ys,
+            [r.store[k] for k in keys],
+            _codes(child),
+        )
 
-    carry, (ys, stacked) = lax.scan(
+    carry, (ys, stacked, codes) = lax.scan(
         step, list(init), list(xs), length=T, reverse=p["reverse"], unroll=p["unroll"]
     )
+    if observer is not None:
+        observer.add_loop(rec, box["child"], codes[jnp.asarray(order, jnp.int32)], order)
     skel = box["skel"]
     skel.store = {}
     return list(carry) + list(ys), _Stored(skel=skel, keys=box["keys"], values=stacked)
 
 
-def _scan_backward(rec: Record, x: list, stored: _Stored, gs: list, retain: bool) -> list:
+def _scan_backward(rec: Record, x: list, stored: _Stored, gs: list, retain: bool, observer) -> list:
     p = rec.params
     body = rec.bodies[0]
     nc, nk, T = p["num_consts"], p["num_carry"], int(p["length"])
@@ -229,13 +256,14 @@ def _scan_backward(rec: Record, x: list, stored: _Stored, gs: list, retain: bool
     k_act = [rec.active[j] for j in range(nc)]
     x_act = [rec.active[nc + nk + j] for j in range(n_xs)]
     y_ct = [j for j in range(len(rec.outputs) - nk) if gs[nk + j] is not None]
+    order = list(range(T) if p["reverse"] else reversed(range(T)))  # backward's step order
 
-    def step_cts(r, ct_c, ct_y):
+    def step_cts(r, ct_c, ct_y, child):
         cts = [ct_c[j] if c_act[j] else None for j in range(nk)]
         ys_cts: list[Any] = [None] * (len(rec.outputs) - nk)
         for j, g in zip(y_ct, ct_y):
             ys_cts[j] = g
-        in_cts = _body_backward(body, r, cts + ys_cts, retain)
+        in_cts = _body_backward(body, r, cts + ys_cts, retain, child)
         new_c = [
             (in_cts[nc + j] if in_cts[nc + j] is not None else _zeros(body.inputs[nc + j]))
             if c_act[j]
@@ -253,12 +281,15 @@ def _scan_backward(rec: Record, x: list, stored: _Stored, gs: list, retain: bool
     if stored.steps is not None:  # Python-loop mode
         ct_c, acc = ct_c0, acc0
         ct_xs_t: list[Any] = [None] * T
-        for t in range(T) if p["reverse"] else reversed(range(T)):
+        codes, child = [], None
+        for t in order:
             r = stored.steps[t]
             r.store.update(const_store)
             for j in xs_pos:
                 r.store[body.inputs[nc + nk + j].id] = x[nc + nk + j][t]
-            in_cts, ct_c = step_cts(r, ct_c, [gs[nk + j][t] for j in y_ct])
+            child = _child(observer, body)
+            in_cts, ct_c = step_cts(r, ct_c, [gs[nk + j][t] for j in y_ct], child)
+            codes.append(_codes(child))
             acc = [_add(a, c) for a, c in zip(acc, in_cts[:nc])]
             ct_xs_t[t] = in_cts[nc + nk :]
             if not retain:
@@ -269,7 +300,10 @@ def _scan_backward(rec: Record, x: list, stored: _Stored, gs: list, retain: bool
             else None
             for j in range(n_xs)
         ]
+        if child is not None:
+            observer.add_loop(rec, child, jnp.stack(codes), order)
     else:
+        box: dict[str, Any] = {}
 
         def bstep(carry, inp):
             ct_c, acc = carry
@@ -278,15 +312,16 @@ def _scan_backward(rec: Record, x: list, stored: _Stored, gs: list, retain: bool
             store.update(const_store)
             for j, v in zip(xs_pos, x_sl):
                 store[body.inputs[nc + nk + j].id] = v
-            in_cts, new_c = step_cts(_clone(stored.skel, store), ct_c, ct_y)
+            child = box["child"] = _child(observer, body)
+            in_cts, new_c = step_cts(_clone(stored.skel, store), ct_c, ct_y, child)
             acc = [_add(a, c) for a, c in zip(acc, in_cts[:nc])]
             ct_x = [
                 (c if c is not None else _zeros(body.inputs[nc + nk + j])) if x_act[j] else None
                 for j, c in enumerate(in_cts[nc + nk :])
             ]
-            return (new_c, acc), ct_x
+            return (new_c, acc), (ct_x, _codes(child))
 
-        (ct_c, acc), ct_xs = lax.scan(
+        (ct_c, acc), (ct_xs, codes) = lax.scan(
             bstep,
             (ct_c0, acc0),
             (stored.values, [x[nc + nk + j] for j in xs_pos], [gs[nk + j] for j in y_ct]),
@@ -295,6 +330,8 @@ def _scan_backward(rec: Record, x: list, stored: _Stored, gs: list, retain: bool
             unroll=p["unroll"],
         )
         ct_xs = list(ct_xs)
+        if observer is not None:
+            observer.add_loop(rec, box["child"], codes[jnp.asarray(order, jnp.int32)], order)
         if not retain:
             stored.values = None
     out: list[Any] = [None] * len(rec.inputs)
@@ -328,73 +365,112 @@ def _stack_cts(cts: list, var) -> Any:
 # ------------------------------------------------------------------------ cond
 
 
-def _cond_forward(rec: Record, ins: list, res) -> tuple[list, _Stored]:
+def _cond_forward(rec: Record, ins: list, res, observer) -> tuple[list, _Stored]:
     idx, ops = ins[0], ins[1:]
     fwd = forwarded_ids(rec)
     n = len(rec.bodies)
     if _concrete([idx]):
         b = int(min(max(int(idx), 0), n - 1))
-        outs, r = _body_forward(rec.bodies[b], list(ops), res, rec, fwd)
+        child = _child(observer, rec.bodies[b])
+        outs, r = _body_forward(rec.bodies[b], list(ops), res, rec, fwd, child)
+        if child is not None:
+            observer.add_loop(rec, child, _codes(child)[None], [b])
         for k in fwd:
             r.store.pop(k, None)
         return _coerce(outs, rec.outputs), _Stored(steps=[r], branch=b)
 
     skels: list[Any] = [None] * n
     keys: list[Any] = [None] * n
+    children: list[Any] = [None] * n
 
     def branch_fn(b):
         def run(*ops):
-            outs, r = _body_forward(rec.bodies[b], list(ops), res, rec, fwd)
+            child = children[b] = _child(observer, rec.bodies[b])
+            outs, r = _body_forward(rec.bodies[b], list(ops), res, rec, fwd, child)
             skels[b], keys[b] = r, [k for k in r.store if k not in fwd]
-            return _coerce(outs, rec.outputs), [r.store[k] for k in keys[b]]
+            return _coerce(outs, rec.outputs), ([r.store[k] for k in keys[b]], _codes(child))
 
         return run
 
-    shapes = [jax.eval_shape(branch_fn(b), *ops)[1] for b in range(n)]
+    outs, union = _switch_union(idx, branch_fn, n, ops)
+    for c in range(n):
+        skels[c].store = {}
+        if observer is not None:
+            observer.add_loop(rec, children[c], union[c][1][None], [c])
+    return list(outs), _Stored(skel=skels, keys=keys, values=[u[0] for u in union])
+
+
+def _switch_union(idx, branch_fn, n: int, ops):
+    """``lax.switch`` over branches that return (outputs, extras of their own structure):
+    every branch returns the extras of all branches, zeros for the ones not taken."""
+    avals: list[Any] = [None] * n
+
+    def typed(b):
+        def run(*ops):
+            outs, mine = branch_fn(b)(*ops)
+            avals[b] = jax.tree.map(jax.typeof, mine)
+            return outs, mine
+
+        return run
+
+    for b in range(n):
+        jax.eval_shape(typed(b), *ops)
 
     def with_union(b):
         def run(*ops):
-            outs, packed = branch_fn(b)(*ops)
-            union = [
-                packed if c == b else jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[c])
-                for c in range(n)
-            ]
-            return outs, union
+            outs, mine = branch_fn(b)(*ops)
+            zeros = [jax.tree.map(_zeros_like_aval, a) for a in avals]
+            return outs, [mine if c == b else zeros[c] for c in range(n)]
 
         return run
 
-    outs, union = lax.switch(idx, [with_union(b) for b in range(n)], *ops)
-    for s in skels:
-        s.store = {}
-    return list(outs), _Stored(skel=skels, keys=keys, values=union)
+    return lax.switch(idx, [with_union(b) for b in range(n)], *ops)
 
 
-def _cond_backward(rec: Record, x: list, stored: _Stored, gs: list, retain: bool) -> list:
+def _zeros_like_aval(aval):
+    """Zeros of ``aval``'s type, in its memory space (an offloaded residual lives on host)."""
+    z = jnp.zeros(aval.shape, aval.dtype)
+    space = getattr(aval, "memory_space", None)
+    if space is not None and space != jax.memory.Space.Device:
+        z = jax.device_put(z, space)
+    return z
+
+
+def _cond_backward(rec: Record, x: list, stored: _Stored, gs: list, retain: bool, observer) -> list:
     ops_vars = rec.inputs[1:]
     act = rec.active[1:]
+    n = len(rec.bodies)
+    children: list[Any] = [None] * n
 
     def run(b, r, ops_saved):
         body = rec.bodies[b]
         for v, val in zip(body.inputs, ops_saved):
             if val is not None:
                 r.store[v.id] = val
-        in_cts = _body_backward(body, r, list(gs), retain)
-        return [
+        child = children[b] = _child(observer, body)
+        in_cts = _body_backward(body, r, list(gs), retain, child)
+        cts = [
             (c if c is not None else _zeros(v)) if a else None
             for c, v, a in zip(in_cts, ops_vars, act)
         ]
+        return cts, _codes(child)
 
     if stored.branch is not None:
-        cts = run(stored.branch, stored.steps[0], x[1:])
+        b = stored.branch
+        cts, codes = run(b, stored.steps[0], x[1:])
+        if observer is not None:
+            observer.add_loop(rec, children[b], codes[None], [b])
     else:
 
         def bwd(b):
             def f(union, ops_saved):
-                return run(
-                    b, _clone(stored.skel[b], dict(zip(stored.keys[b], union[b]))), ops_saved
-                )
+                r = _clone(stored.skel[b], dict(zip(stored.keys[b], union[b])))
+                return run(b, r, ops_saved)
 
             return f
 
-        cts = lax.switch(x[0], [bwd(b) for b in range(len(rec.bodies))], stored.values, list(x[1:]))
+        cts, union = _switch_union(x[0], bwd, n, (stored.values, list(x[1:])))
+        if observer is not None:
+            for c in range(n):
+                observer.add_loop(rec, children[c], union[c][None], [c])
     return [None] + list(cts)
