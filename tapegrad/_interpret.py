@@ -211,7 +211,9 @@ def forward(
     plain = res.plain = is_plain(policy)
     res.raw, res.loops = forwarded, loops
     if not plain:
-        res.input_ids = frozenset(v.id for v in tape.inputs) | {v.id for v, _ in tape.consts}
+        # A loop body's inputs are per-step values (carries, slices), not the caller's arrays.
+        ins_ids = frozenset(v.id for v in tape.inputs) if not loops else frozenset()
+        res.input_ids = ins_ids | {v.id for v, _ in tape.consts}
     store, refs = res.store, res.refs
     if tape.segments:
         _, recomputed = tape.residual_keys()

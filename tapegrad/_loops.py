@@ -75,9 +75,9 @@ class _Stored:
     values, or ``steps``: one `Residuals` per step (Python-loop mode, concrete cond).
     """
 
-    __slots__ = ("skel", "keys", "values", "steps", "branch")
+    __slots__ = ("skel", "keys", "values", "steps", "branch", "shifted")
 
-    def __init__(self, skel=None, keys=None, values=None, steps=None, branch=None):
+    def __init__(self, skel=None, keys=None, values=None, steps=None, branch=None, shifted=()):
         self.skel, self.keys, self.values, self.steps, self.branch = (
             skel,
             keys,
@@ -85,6 +85,9 @@ class _Stored:
             steps,
             branch,
         )
+        # (carry-in key, carry-out key, initial carry): the carry a step saves is the
+        # previous step's saved output, so only the outputs are stacked (see _carry_pairs).
+        self.shifted = shifted
 
 
 class _Static:
@@ -107,8 +110,8 @@ class _Static:
 # A nested loop's residuals leave the enclosing step as a pytree: its values are leaves.
 jax.tree_util.register_pytree_node(
     _Stored,
-    lambda s: ((s.values,), _Static((s.skel, s.keys, s.steps, s.branch))),
-    lambda a, c: _Stored(a.v[0], a.v[1], c[0], a.v[2], a.v[3]),
+    lambda s: ((s.values, s.shifted), _Static((s.skel, s.keys, s.steps, s.branch))),
+    lambda a, c: _Stored(a.v[0], a.v[1], c[0], a.v[2], a.v[3], c[1]),
 )
 
 
@@ -182,6 +185,22 @@ def _zeros(var):
     return jnp.zeros(var.shape, var.dtype)
 
 
+def _carry_pairs(rec: Record, keys) -> list[tuple[int, int, int]]:
+    """(carry-in key, carry-out key, carry index) for each carry whose value is saved both
+    as the step's input and as the step's output (an RNN's ``h``: ``tanh`` saves its output,
+    the next step's ``h @ w`` saves its input). Step t's input is step t-1's output, so
+    keeping both would store the whole sequence twice."""
+    body = rec.bodies[0]
+    nc, nk = rec.params["num_consts"], rec.params["num_carry"]
+    ins = {v.id for v in body.inputs}
+    pairs = []
+    for j in range(nk):
+        k_in, out = body.inputs[nc + j].id, body.outputs[j]
+        if type(out) is not Lit and out.id not in ins and k_in in keys and out.id in keys:
+            pairs.append((k_in, out.id, j))
+    return pairs
+
+
 # ------------------------------------------------------------------------ scan
 
 
@@ -197,7 +216,7 @@ def _scan_forward(rec: Record, ins: list, res, observer) -> tuple[list, _Stored]
         steps: list[Any] = [None] * T
         ys_t: list[Any] = [None] * T
         carry = list(init)
-        codes, child = [], None
+        codes, child, prev = [], None, None
         for t in order:
             child = _child(observer, body)
             args = [*consts, *carry, *(x[t] for x in xs)]
@@ -205,7 +224,10 @@ def _scan_forward(rec: Record, ins: list, res, observer) -> tuple[list, _Stored]
             codes.append(_codes(child))
             for k in fwd:
                 r.store.pop(k, None)
-            steps[t], carry, ys_t[t] = r, outs[:nk], outs[nk:]
+            if prev is not None:  # share the previous step's packed output (one copy)
+                for k_in, k_out, _ in _carry_pairs(rec, r.store):
+                    r.store[k_in] = prev.store[k_out]
+            steps[t], carry, ys_t[t], prev = r, outs[:nk], outs[nk:], r
         if child is not None:
             observer.add_loop(rec, child, jnp.stack(codes), order)
         n_ys = len(rec.outputs) - nk
@@ -223,6 +245,8 @@ def _scan_forward(rec: Record, ins: list, res, observer) -> tuple[list, _Stored]
         child = box["child"] = _child(observer, body)
         outs, r = _body_forward(body, [*consts, *carry, *x], res, rec, fwd, child)
         keys = [k for k in r.store if k not in fwd]
+        pairs = box["pairs"] = _carry_pairs(rec, keys) if res.plain else []
+        keys = [k for k in keys if k not in {p[0] for p in pairs}]
         box["skel"], box["keys"] = r, keys
         ys = _coerce(outs[nk:], body.outputs[nk:])
         return _coerce(outs[:nk], body.outputs[:nk]), (
@@ -238,7 +262,9 @@ def _scan_forward(rec: Record, ins: list, res, observer) -> tuple[list, _Stored]
         observer.add_loop(rec, box["child"], codes[jnp.asarray(order, jnp.int32)], order)
     skel = box["skel"]
     skel.store = {}
-    return list(carry) + list(ys), _Stored(skel=skel, keys=box["keys"], values=stacked)
+    shifted = tuple((k_in, k_out, init[j]) for k_in, k_out, j in box["pairs"])
+    stored = _Stored(skel=skel, keys=box["keys"], values=stacked, shifted=shifted)
+    return list(carry) + list(ys), stored
 
 
 def _scan_backward(rec: Record, x: list, stored: _Stored, gs: list, retain: bool, observer) -> list:
@@ -305,10 +331,17 @@ def _scan_backward(rec: Record, x: list, stored: _Stored, gs: list, retain: bool
     else:
         box: dict[str, Any] = {}
 
+        first = T - 1 if p["reverse"] else 0  # the step whose carry-in is the initial carry
+        stacks = dict(zip(stored.keys, stored.values))
+
         def bstep(carry, inp):
             ct_c, acc = carry
-            vals, x_sl, ct_y = inp
+            vals, x_sl, ct_y, t = inp
             store = dict(zip(stored.keys, vals))
+            for k_in, k_out, init in stored.shifted:
+                prev = jnp.clip(t + 1 if p["reverse"] else t - 1, 0, T - 1)
+                before = lax.dynamic_index_in_dim(stacks[k_out], prev, keepdims=False)
+                store[k_in] = lax.select(t == first, init, before)
             store.update(const_store)
             for j, v in zip(xs_pos, x_sl):
                 store[body.inputs[nc + nk + j].id] = v
@@ -324,7 +357,12 @@ def _scan_backward(rec: Record, x: list, stored: _Stored, gs: list, retain: bool
         (ct_c, acc), (ct_xs, codes) = lax.scan(
             bstep,
             (ct_c0, acc0),
-            (stored.values, [x[nc + nk + j] for j in xs_pos], [gs[nk + j] for j in y_ct]),
+            (
+                stored.values,
+                [x[nc + nk + j] for j in xs_pos],
+                [gs[nk + j] for j in y_ct],
+                jnp.arange(T),
+            ),
             length=T,
             reverse=not p["reverse"],
             unroll=p["unroll"],
