@@ -203,6 +203,7 @@ def _plan_bodies(tape: Tape, policy: Any) -> Tape:
         return tape
     from tapegrad._loops import outer_saves
 
+    segment = getattr(policy, "loop_segment", None)
     records = []
     for rec in tape.records:
         if rec.bodies and rec.rule != "none":
@@ -210,8 +211,9 @@ def _plan_bodies(tape: Tape, policy: Any) -> Tape:
                 plan_recompute(b, policy, decide_records(b, policy, whole=False))
                 for b in rec.bodies
             )
-            if any(b is not a for a, b in zip(rec.bodies, bodies)):
-                rec = dataclasses.replace(rec, bodies=bodies)
+            k = segment(rec) if segment is not None else 0
+            if k != rec.schedule or any(b is not a for a, b in zip(rec.bodies, bodies)):
+                rec = dataclasses.replace(rec, bodies=bodies, schedule=k)
                 rec = dataclasses.replace(rec, saves=outer_saves(rec))
         records.append(rec)
     return dataclasses.replace(tape, records=tuple(records))

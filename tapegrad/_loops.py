@@ -22,7 +22,9 @@ a rule: it only moves values between steps.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from types import MappingProxyType
 from typing import Any
 
 import jax
@@ -48,6 +50,9 @@ def outer_saves(rec: Record) -> tuple[Saved, ...]:
     """What a loop/branch record keeps itself: the inputs its bodies' residuals forward
     (kept once, not per step), and a cond's index (backward runs the branch it picks)."""
     keep: set[int] = {0} if rec.primitive == "cond" else set()
+    if rec.schedule:  # segments are recomputed from every const and scanned input
+        nc, nk = rec.params["num_consts"], rec.params["num_carry"]
+        keep.update(j for j in range(len(rec.inputs)) if j < nc or j >= nc + nk)
     for body in rec.bodies:
         kept, _ = body.residual_keys()
         pos = _outer_positions(rec, body)
@@ -110,8 +115,13 @@ class _Static:
 # A nested loop's residuals leave the enclosing step as a pytree: its values are leaves.
 jax.tree_util.register_pytree_node(
     _Stored,
-    lambda s: ((s.values, s.shifted), _Static((s.skel, s.keys, s.steps, s.branch))),
-    lambda a, c: _Stored(a.v[0], a.v[1], c[0], a.v[2], a.v[3], c[1]),
+    lambda s: (
+        (s.values, [init for _, _, init in s.shifted]),
+        _Static((s.skel, s.keys, s.steps, s.branch, [k[:2] for k in s.shifted])),
+    ),
+    lambda a, c: _Stored(
+        a.v[0], a.v[1], c[0], a.v[2], a.v[3], tuple((*k, i) for k, i in zip(a.v[4], c[1]))
+    ),
 )
 
 
@@ -204,7 +214,9 @@ def _carry_pairs(rec: Record, keys) -> list[tuple[int, int, int]]:
 # ------------------------------------------------------------------------ scan
 
 
-def _scan_forward(rec: Record, ins: list, res, observer) -> tuple[list, _Stored]:
+def _scan_forward(rec: Record, ins: list, res, observer) -> tuple[list, Any]:
+    if rec.schedule and observer is None:
+        return _segmented_forward(rec, ins, res)
     p = rec.params
     body = rec.bodies[0]
     nc, nk, T = p["num_consts"], p["num_carry"], int(p["length"])
@@ -234,7 +246,7 @@ def _scan_forward(rec: Record, ins: list, res, observer) -> tuple[list, _Stored]
         ys = [
             jnp.stack([jnp.asarray(ys_t[t][j]) for t in range(T)])
             if T
-            else _zeros(rec.outputs[nk + j])
+            else jnp.zeros((0,) + rec.outputs[nk + j].shape[1:], rec.outputs[nk + j].dtype)
             for j in range(n_ys)
         ]
         return _coerce(carry, rec.outputs[:nk]) + ys, _Stored(steps=steps)
@@ -245,7 +257,7 @@ def _scan_forward(rec: Record, ins: list, res, observer) -> tuple[list, _Stored]
         child = box["child"] = _child(observer, body)
         outs, r = _body_forward(body, [*consts, *carry, *x], res, rec, fwd, child)
         keys = [k for k in r.store if k not in fwd]
-        pairs = box["pairs"] = _carry_pairs(rec, keys) if res.plain else []
+        pairs = box["pairs"] = _carry_pairs(rec, keys) if res.plain and T else []
         keys = [k for k in keys if k not in {p[0] for p in pairs}]
         box["skel"], box["keys"] = r, keys
         ys = _coerce(outs[nk:], body.outputs[nk:])
@@ -267,7 +279,9 @@ def _scan_forward(rec: Record, ins: list, res, observer) -> tuple[list, _Stored]
     return list(carry) + list(ys), stored
 
 
-def _scan_backward(rec: Record, x: list, stored: _Stored, gs: list, retain: bool, observer) -> list:
+def _scan_backward(rec: Record, x: list, stored: Any, gs: list, retain: bool, observer) -> list:
+    if isinstance(stored, _Segmented):
+        return _segmented_backward(rec, x, stored, gs, retain)
     p = rec.params
     body = rec.bodies[0]
     nc, nk, T = p["num_consts"], p["num_carry"], int(p["length"])
@@ -397,7 +411,7 @@ def _add(a, c):
 
 def _stack_cts(cts: list, var) -> Any:
     per = [c if c is not None else jnp.zeros(var.shape[1:], var.dtype) for c in cts]
-    return jnp.stack(per) if per else jnp.zeros(var.shape, var.dtype)
+    return jnp.stack(per) if per else jnp.zeros((0,) + var.shape[1:], var.dtype)
 
 
 # ------------------------------------------------------------------------ cond
@@ -512,3 +526,147 @@ def _cond_backward(rec: Record, x: list, stored: _Stored, gs: list, retain: bool
             for c in range(n):
                 observer.add_loop(rec, children[c], union[c][None], [c])
     return [None] + list(cts)
+
+
+# ------------------------------------------------------------ scan checkpointing
+
+
+class _Segmented:
+    """A scheduled scan's forward: the carry at the start of each full segment (stacked),
+    the remainder steps' residuals (kept as usual), and the enclosing `Residuals` whose
+    policy the recomputed segments pack with."""
+
+    __slots__ = ("checkpoints", "rem", "res")
+
+    def __init__(self, checkpoints, rem, res):
+        self.checkpoints, self.rem, self.res = checkpoints, rem, res
+
+
+jax.tree_util.register_pytree_node(
+    _Segmented,
+    lambda s: ((s.checkpoints, s.rem), _Static(s.res)),
+    lambda a, c: _Segmented(c[0], c[1], a.v),
+)
+
+
+def _part(rec: Record, length: int, carries_active: Sequence[bool] | None = None) -> Record:
+    """The same scan record over ``length`` steps, without a schedule."""
+    params = dict(rec.params, length=length)
+    active = rec.active
+    if carries_active is not None:
+        nc, nk = params["num_consts"], params["num_carry"]
+        active = active[:nc] + tuple(carries_active) + active[nc + nk :]
+    return dataclasses.replace(rec, params=MappingProxyType(params), schedule=0, active=active)
+
+
+def _split(rec: Record) -> tuple[int, int, int]:
+    """(segment length k, full segments n, remainder steps r) of a scheduled scan."""
+    T, k = int(rec.params["length"]), rec.schedule
+    return k, T // k, T - (T // k) * k
+
+
+def _segmented_forward(rec: Record, ins: list, res) -> tuple[list, _Segmented]:
+    from tapegrad._interpret import forward
+    from tapegrad.policies._base import SAVE
+
+    p, body = rec.params, rec.bodies[0]
+    nc, nk = p["num_consts"], p["num_carry"]
+    k, n, r = _split(rec)
+    consts, init, xs = ins[:nc], list(ins[nc : nc + nk]), ins[nc + nk :]
+
+    def plain_step(carry, x):  # forward only: nothing is kept
+        outs, _ = forward(body, [*consts, *carry, *x], SAVE)
+        return _coerce(outs[:nk], body.outputs[:nk]), _coerce(outs[nk:], body.outputs[nk:])
+
+    def segment(carry, xseg):
+        out, ys = lax.scan(plain_step, carry, xseg, length=k, unroll=p["unroll"])
+        return out, (ys, carry)
+
+    xs_main = [v[: n * k].reshape((n, k) + v.shape[1:]) for v in xs]
+    carry, (ys_main, checkpoints) = lax.scan(segment, init, xs_main, length=n)
+    rem_ins = [*consts, *carry, *(v[n * k :] for v in xs)]
+    outs_rem, rem = _scan_forward(_part(rec, r), rem_ins, res, None)
+    ys = [
+        jnp.concatenate([y.reshape((n * k,) + y.shape[2:]), y_rem])
+        for y, y_rem in zip(ys_main, outs_rem[nk:])
+    ]
+    return list(outs_rem[:nk]) + ys, _Segmented(checkpoints, rem, res)
+
+
+def _ct_or_zeros(c, shape, dtype):
+    return c if c is not None else jnp.zeros(shape, dtype)
+
+
+def _segmented_backward(rec: Record, x: list, st: _Segmented, gs: list, retain: bool) -> list:
+    p, body = rec.params, rec.bodies[0]
+    nc, nk = p["num_consts"], p["num_carry"]
+    n_xs = len(rec.inputs) - nc - nk
+    k, n, r = _split(rec)
+    c_act = [body.active_inputs[nc + j] and _inexact(body.inputs[nc + j]) for j in range(nk)]
+    consts, xs, g_ys = x[:nc], x[nc + nk :], gs[nk:]
+    x_in = [rec.inputs[nc + nk + j] for j in range(n_xs)]
+
+    def carry_cts(in_cts):
+        return [
+            _ct_or_zeros(c, body.inputs[nc + j].shape, body.inputs[nc + j].dtype)
+            if c_act[j]
+            else None
+            for j, c in enumerate(in_cts[nc : nc + nk])
+        ]
+
+    # The remainder ran last: its backward comes first.
+    x_rem = [*consts, *([None] * nk), *(v[n * k :] for v in xs)]
+    gs_rem = [*gs[:nk], *(g[n * k :] if g is not None else None for g in g_ys)]
+    in_rem = _scan_backward(_part(rec, r, c_act), x_rem, st.rem, gs_rem, retain, None)
+    ct_c = carry_cts(in_rem)
+    acc = [
+        _ct_or_zeros(c, body.inputs[j].shape, body.inputs[j].dtype) if rec.active[j] else None
+        for j, c in enumerate(in_rem[:nc])
+    ]
+    seg_rec = _part(rec, k, c_act)
+    g_idx = [j for j, g in enumerate(g_ys) if g is not None]
+
+    def seg_bwd(carry, inp):
+        ct_c, acc = carry
+        cp, xseg, gseg = inp
+        # Recompute this segment's residuals from its carry, then run its backward.
+        _, stored = _scan_forward(seg_rec, [*consts, *cp, *xseg], st.res, None)
+        seg_gs: list[Any] = [*ct_c, *([None] * len(g_ys))]
+        for j, g in zip(g_idx, gseg):
+            seg_gs[nk + j] = g
+        in_cts = _scan_backward(
+            seg_rec, [*consts, *([None] * nk), *xseg], stored, seg_gs, True, None
+        )
+        acc = [_add(a, c) for a, c in zip(acc, in_cts[:nc])]
+        ct_x = [
+            _ct_or_zeros(c, (k,) + v.shape[1:], v.dtype) if rec.active[nc + nk + j] else None
+            for j, (c, v) in enumerate(zip(in_cts[nc + nk :], x_in))
+        ]
+        return (carry_cts(in_cts), acc), ct_x
+
+    xs_main = [v[: n * k].reshape((n, k) + v.shape[1:]) for v in xs]
+    g_main = [g_ys[j][: n * k].reshape((n, k) + g_ys[j].shape[1:]) for j in g_idx]
+    if not st.res.plain and _concrete([*consts, *xs, *jax.tree.leaves(st.checkpoints)]):
+        per_seg: list[Any] = [None] * n
+        for i in reversed(range(n)):  # eagerly, the policy sees concrete steps
+            inp = ([c[i] for c in st.checkpoints], [v[i] for v in xs_main], [g[i] for g in g_main])
+            (ct_c, acc), per_seg[i] = seg_bwd((ct_c, acc), inp)
+        ct_main = [
+            jnp.stack([per_seg[i][j] for i in range(n)]) if rec.active[nc + nk + j] else None
+            for j in range(n_xs)
+        ]
+    else:
+        (ct_c, acc), ct_main = lax.scan(
+            seg_bwd, (ct_c, acc), (st.checkpoints, xs_main, g_main), length=n, reverse=True
+        )
+    out: list[Any] = [None] * len(rec.inputs)
+    for j in range(nc):
+        out[j] = acc[j] if rec.active[j] else None
+    for j in range(nk):
+        out[nc + j] = ct_c[j] if (rec.active[nc + j] and c_act[j]) else None
+    for j in range(n_xs):
+        if rec.active[nc + nk + j]:
+            main = ct_main[j].reshape((n * k,) + ct_main[j].shape[2:])
+            rem_ct = _ct_or_zeros(in_rem[nc + nk + j], (r,) + main.shape[1:], main.dtype)
+            out[nc + nk + j] = jnp.concatenate([main, rem_ct])
+    return out

@@ -162,6 +162,9 @@ class Record:
     source_info: Any = field(default=None, repr=False)
     bind_params: Any = field(default=None, repr=False)
     bodies: tuple[Tape, ...] = ()
+    # A scan's checkpoint schedule: keep the carry every `schedule` steps and recompute
+    # each segment's residuals in backward (0: keep every step's residuals).
+    schedule: int = 0
 
     @property
     def trip_count(self) -> int:

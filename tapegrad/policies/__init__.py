@@ -16,6 +16,7 @@ from tapegrad.policies._base import (
 from tapegrad.policies.budget import Budget, BudgetError, budget
 from tapegrad.policies.compress import Compress, Int8, compress
 from tapegrad.policies.hooks import Hooks, Route, hooks, route
+from tapegrad.policies.loops import ScanCheckpoint, scan_checkpoint
 from tapegrad.policies.offload import Offload, offload
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "ResidualPolicy",
     "Route",
     "Save",
+    "ScanCheckpoint",
     "compress",
     "current_policy",
     "disable_saved_tensors_hooks",
@@ -39,4 +41,5 @@ __all__ = [
     "route",
     "save",
     "saved_tensors_hooks",
+    "scan_checkpoint",
 ]
