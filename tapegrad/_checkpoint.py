@@ -271,6 +271,8 @@ def build_segments(tape: Tape, decisions: Sequence[str]) -> tuple[Segment, ...]:
     for rec in tape.records:
         if rec.rule == "none":
             continue
+        if rec.bodies and recompute[rec.index]:
+            stack.append(rec)  # a loop's per-step residuals come from re-running it
         for s in rec.saves:
             if s.kind == "aux":
                 if recompute[rec.index]:
@@ -321,15 +323,7 @@ def build_segments(tape: Tape, decisions: Sequence[str]) -> tuple[Segment, ...]:
                 if isinstance(u, Var) and u.id not in inside:
                     inputs.setdefault(u.id, u)
         inputs_of.append(inputs)
-    has_aux = [
-        any(
-            s.kind == "aux"
-            for i in idxs
-            for s in tape.records[i].saves
-            if tape.records[i].rule != "none"
-        )
-        for idxs in groups_l
-    ]
+    has_aux = [any(_derives(tape.records[i]) for i in idxs) for idxs in groups_l]
 
     def outputs(g: int, stored: set[int]) -> list[Var]:
         return [
@@ -372,16 +366,18 @@ def build_segments(tape: Tape, decisions: Sequence[str]) -> tuple[Segment, ...]:
     return tuple(segments)
 
 
+def _derives(rec: Record) -> bool:
+    """Whether re-running ``rec`` provides backward something besides its outputs: derived
+    (``aux``) residuals, or a loop's per-step residuals."""
+    return rec.rule != "none" and (bool(rec.bodies) or any(s.kind == "aux" for s in rec.saves))
+
+
 def _prune(tape: Tape, seg: Segment, producer: dict[int, Record]) -> Segment:
     """Keep only the records a segment needs to produce its outputs (and derived values)."""
     members = set(seg.records)
     keep: set[int] = set()
     stack = [producer[o.id].index for o in seg.outputs]
-    stack += [
-        i
-        for i in seg.records
-        if tape.records[i].rule != "none" and any(s.kind == "aux" for s in tape.records[i].saves)
-    ]
+    stack += [i for i in seg.records if _derives(tape.records[i])]
     while stack:
         i = stack.pop()
         if i in keep:

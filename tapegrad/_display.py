@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import re
+import textwrap
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -122,20 +123,50 @@ def _fit_params(items: list[str], room: int) -> str:
     return s
 
 
-def _tail(rec) -> str:
-    tail = f"   saves[{','.join(map(str, rec.saves))}]" if rec.saves else ""
+# Params a loop record shows: its sub-programs are printed as bodies under it.
+_SCAN_PARAMS = ("length", "reverse", "unroll")
+
+
+def param_items(rec) -> list[str]:
+    """A record's params as shown: a scan's length / reverse / unroll only (its body is
+    printed under it), a cond's number of branches (printed under it)."""
+    if rec.primitive == "scan" and rec.bodies:
+        return [f"{k}={rec.params[k]}" for k in _SCAN_PARAMS if k in rec.params]
+    items = rec.param_items()
+    if rec.primitive == "cond" and rec.bodies:  # the branches printed under it: their count
+        return [f"branches={len(rec.bodies)}" if i.startswith("branches=") else i for i in items]
+    return items
+
+
+def body_label(rec, b: int) -> str:
+    """``scan ×1000 body`` / ``cond branch 0``."""
+    if rec.primitive == "cond":
+        return f"cond branch {b}"
+    return f"{rec.primitive} ×{rec.trip_count:,} body"
+
+
+def _bytes_with_bodies(rec) -> int:
+    """What a record keeps: its own saves, and its bodies' per-step residuals × steps."""
+    from tapegrad._tape import loop_residual_bytes
+
+    return rec.saved_bytes + (loop_residual_bytes(rec) if rec.bodies and rec.in_backward else 0)
+
+
+def _tail(rec, per_step: bool = False) -> str:
+    tag = "saves/step" if per_step else "saves"
+    tail = f"   {tag}[{','.join(map(str, rec.saves))}]" if rec.saves else ""
     tail += " (fallback)" if rec.rule == "fallback" else ""
     return tail + (" (recompute)" if rec.decision == "recompute" else "")
 
 
-def _fit_record(rec, budget: int) -> str:
+def _fit_record(rec, budget: int, per_step: bool = False) -> str:
     """One record as ``outs = prim[params] ins   saves[..]``, shortened to ``budget`` columns:
     params first, then the inputs, then the outputs; the primitive and saves stay whole."""
     outs = " ".join(f"{o}:{o.aval}" for o in rec.outputs)
     ins = " ".join(str(i) for i in rec.inputs)
-    items = rec.param_items()
+    items = param_items(rec)
     params = " ".join(items)
-    tail = _tail(rec)
+    tail = _tail(rec, per_step)
 
     def render() -> str:
         return f"{outs} = {rec.primitive}{f'[{params}]' if params else ''} {ins}{tail}"
@@ -159,13 +190,14 @@ def _fit_record(rec, budget: int) -> str:
 def _record_sig(rec) -> tuple:
     return (
         rec.primitive,
-        rec.params_str(),
+        " ".join(param_items(rec)),
         tuple(getattr(i, "aval", str(i)) for i in rec.inputs),
         tuple(o.aval for o in rec.outputs),
         tuple(map(str, rec.saves)),
         rec.rule,
         rec.decision,
         rec.short_source,
+        tuple(tuple(_record_sig(r) for r in body.records) for body in rec.bodies),
     )
 
 
@@ -189,46 +221,121 @@ def _var_list(vs: Sequence[Any], limit: int) -> str:
     return s if len(s) <= limit else clip(s, limit - len(count)) + count
 
 
-def tape_text(tape) -> str:
+# A body is printed under its record: its header two columns right of the record's text,
+# its records four further (as the tape's own records sit under ``{ lambda``).
+BODY_INDENT = 6
+
+
+def _head(tape, col: int, label: str = "") -> str:
     consts = " ".join(str(v) for v, _ in tape.consts)
     consts = clip(consts, 30) if consts else ""
-    head = f"{{ lambda {consts} ; "
-    lines = [head + _var_list(tape.inputs, WIDTH - len(head) - len(". let")) + ". let"]
-    srcs = [short_source(r.short_source, 36) for r in tape.records]
+    head = f"{' ' * col}{label}{{ lambda {consts} ; "
+    return head + _var_list(tape.inputs, WIDTH - len(head) - len(". let")) + ". let"
+
+
+def _record_lines(tape, col: int, per_step: bool) -> list[str]:
+    """The records of ``tape`` at column ``col`` + 4, each loop/branch record followed by
+    its bodies (nested further); repeated runs folded."""
+    recs = tape.records
+    pad = " " * (col + 4)
+    avail = WIDTH - len(pad) - 4  # the record and its source comment, after "  # "
+    srcs = [short_source(r.short_source, min(36, max(16, avail - 48))) for r in recs]
     # One column for every source comment: bodies shrink to fit beside the longest.
-    room = WIDTH - 8 - max((len(s) for s in srcs), default=0)
-    bodies = [_fit_record(r, room) for r in tape.records]
-    width = max((len(b) for b in bodies), default=0)
-    for i, r in enumerate(tape.records):
-        if not bodies[i].endswith(_tail(r)):
-            # Too long even shortened (the saves would be cut): this line takes room
-            # from its source comment, which keeps at least file:line.
-            bodies[i] = _fit_record(r, WIDTH - 8 - 22)
-            srcs[i] = short_source(r.short_source, WIDTH - 8 - max(len(bodies[i]), width))
+    room = avail - max((len(s) for s in srcs), default=0)
+    texts = [_fit_record(r, room, per_step) for r in recs]
+    width = max((len(b) for b in texts), default=0)
+    for i, r in enumerate(recs):
+        if not texts[i].endswith(_tail(r, per_step)) or (r.bodies and "[…]" in texts[i]):
+            # Too long even shortened (the saves, or a loop's length, would be cut): this
+            # line takes room from its source comment, which keeps at least file:line.
+            texts[i] = _fit_record(r, avail - 22, per_step)
+            srcs[i] = short_source(r.short_source, avail - max(len(texts[i]), width))
 
-    def row(i: int) -> str:
-        return f"    {bodies[i].ljust(width)}  # {srcs[i]}"
+    def rows(i: int) -> list[str]:
+        r = recs[i]
+        out = [f"{pad}{texts[i].ljust(width)}  # {srcs[i]}"]
+        for b, body in enumerate(r.bodies):
+            out.extend(_body_lines(r, b, body, col + BODY_INDENT, per_step))
+        return out
 
-    runs = fold_runs([_record_sig(r) for r in tape.records], _fold_text)
-    for start, p, r in runs:
+    lines: list[str] = []
+    for start, p, r in fold_runs([_record_sig(r) for r in recs], _fold_text):
         if r == 1:
-            lines.append(row(start))
+            lines.extend(rows(start))
             continue
-        lines.extend(row(i) for i in range(start, start + p))
+        for i in range(start, start + p):
+            lines.extend(rows(i))
         hidden = range(start + p, start + (r - 1) * p)
-        nbytes = sum(tape.records[i].saved_bytes for i in hidden)
+        nbytes = sum(_bytes_with_bodies(recs[i]) for i in hidden)
         what = "record" if p == 1 else f"{p} records"
         lines.append(
             clip(
-                f"    ⋮ {r - 2} × the {what} above again (#{hidden[0]}–#{hidden[-1]}), "
-                f"{nbytes:,} bytes saved",
+                f"{pad}⋮ {r - 2} × the {what} above again (#{hidden[0]}–#{hidden[-1]}), "
+                f"{nbytes:,} bytes saved{' per step' if per_step else ''}",
                 WIDTH,
             )
         )
-        lines.extend(row(i) for i in range(start + (r - 1) * p, start + r * p))
+        for i in range(start + (r - 1) * p, start + r * p):
+            lines.extend(rows(i))
+    return lines
+
+
+def loop_bytes_text(rec, b: int, per_step: bool = False) -> str:
+    """What body ``b`` of a loop/branch record keeps, in words: ``2,048 B per step × 200
+    = 409,600 B``; a shared carry, a checkpoint schedule and a cond's branch say so."""
+    from tapegrad._tape import loop_bytes, step_residual_vars
+
+    if not rec.in_backward:
+        return "0 B"
+    if rec.primitive != "scan":
+        step = sum(step_residual_vars(rec, b).values())
+        return f"{step:,} B{' per step' if per_step else ''}"
+    lb = loop_bytes(rec)
+    T = rec.trip_count
+    if lb.checkpoints:
+        rest = lb.total - lb.checkpoints * lb.carry
+        return (
+            f"carries every {rec.schedule:,}: {lb.checkpoints:,} × {lb.carry:,} B + "
+            f"last {lb.steps:,} steps {rest:,} B = {lb.total:,} B"
+        )
+    if lb.shared:  # a carry saved as input is the step before's output: the first once
+        return f"{lb.step - lb.shared:,} B per step × {T:,} + {lb.shared:,} B once = {lb.total:,} B"
+    return f"{lb.step:,} B per step × {T:,} = {lb.total:,} B"
+
+
+def _body_lines(rec, b: int, body, col: int, per_step: bool) -> list[str]:
+    """One body of a loop/branch record: header, records, and a footer with its bytes."""
+    looped = per_step or rec.primitive == "scan"
+    n = len(body.records)
+    lines = [_head(body, col, body_label(rec, b) + ": ")]
+    lines.extend(_record_lines(body, col, looped))
+    outs = " ".join(str(o) for o in body.outputs)
+    foot = f"  # {n} record{'s' if n != 1 else ''}, {loop_bytes_text(rec, b, per_step)}"
+    lines.append(clip(f"{' ' * (col + 2)}in ({clip(outs, 40)}) }}{foot}", WIDTH))
+    return lines
+
+
+def _walk(tape, mult: int = 1, depth: int = 0):
+    """(record, how many times its saves are held, depth) over ``tape`` and its bodies."""
+    for rec in tape.records:
+        yield rec, mult, depth
+        for body in rec.bodies:
+            yield from _walk(body, mult * rec.trip_count, depth + 1)
+
+
+def tape_text(tape) -> str:
+    lines = [_head(tape, 0)]
+    lines.extend(_record_lines(tape, 0, False))
     outs = " ".join(str(o) for o in tape.outputs)
     lines.append(f"  in ({clip(outs, WIDTH - 9)}) }}")
-    lines.append(f"  # {len(tape.records)} records, {tape.saved_bytes:,} bytes saved for backward")
+    inner = sum(1 for _, _, d in _walk(tape) if d)
+    kept = tape.residual_vars()
+    loops = sum(n for k, n in kept.items() if type(k) is tuple and k[0] == "body")
+    foot = f"  # {len(tape.records)} records"
+    foot += f" (+{inner:,} in bodies)" if inner else ""
+    foot += f", {sum(kept.values()):,} bytes saved for backward"
+    foot += f" ({loops:,} of them per step × steps)" if loops else ""
+    lines.append(clip(foot, WIDTH))
     return "\n".join(lines)
 
 
@@ -255,6 +362,10 @@ _CSS = """
 .tg-view .d-recompute{color:#8a5cf6}.tg-view .d-offload{color:#0e9f8e}
 .tg-view .d-compress{color:#d97706}.tg-view .fallback{color:#d9480f}
 .tg-view details.tg-by-source{margin-top:8px}
+.tg-view tr.tg-body>td{padding:0;box-shadow:inset 3px 0 rgba(14,159,142,.45)}
+.tg-view tr.tg-body summary{padding-left:calc(6px + 2ch)}
+.tg-view table.tg-body{margin:0}
+.tg-view .tg-notes{margin:6px 0;color:#d9480f;white-space:normal}
 """
 
 # Clicking a header sorts that column (numbers by their data-v value); toggles direction.
@@ -270,13 +381,19 @@ e = html.escape
 
 
 def cell(
-    text: Any, cls: str = "", num: int | None = None, title: str | None = None, limit: int = 0
+    text: Any,
+    cls: str = "",
+    num: int | None = None,
+    title: str | None = None,
+    limit: int = 0,
+    style: str = "",
 ) -> str:
     """A ``<td>``; long text is clipped with its full value in the tooltip."""
     s = str(text)
     if limit and len(s) > limit:
         title, s = title or s, clip(s, limit)
     attrs = f' class="{cls}"' if cls else ""
+    attrs += f' style="{e(style)}"' if style else ""
     attrs += f' data-v="{num}"' if num is not None else ""
     attrs += f' title="{e(title)}"' if title else ""
     return f"<td{attrs}>{e(s)}</td>"
@@ -397,45 +514,96 @@ def _decision(rec) -> tuple[str, str]:
     return text, f"d-{text}" if text else ""
 
 
-def tape_html(tape) -> str:
-    from tapegrad._tape import aval_str
+def body_row(summary: str, rows: str, cols: Sequence[tuple[str, str, int]], attrs: str) -> str:
+    """A row holding a loop/branch body: an open ``<details>`` with the body's rows in a
+    table of the same columns (nested bodies nest further)."""
+    colgroup, _ = header(cols)
+    return (
+        f'<tr class="tg-body" {attrs}><td colspan="{len(cols)}"><details open>'
+        f'<summary>{summary}</summary><table class="tg-body" {width(cols)}>{colgroup}'
+        f"<tbody>{rows}</tbody></table></details></td></tr>"
+    )
+
+
+def _body_summary(rec, b: int, n_records: int, per_step: bool) -> str:
+    what = f"{n_records} record{'s' if n_records != 1 else ''}"
+    nbytes = re.sub(r"([\d,]+ B)", r"<b>\1</b>", e(loop_bytes_text(rec, b, per_step)))
+    return f"<b>{e(body_label(rec, b))}</b>: {what} · {nbytes} kept for backward"
+
+
+def _tape_rows(tape, per_step: bool, depth: int, fwd=frozenset()) -> list[str]:
+    """Rows of ``tape``'s records; in a body (``depth`` > 0), ``fwd`` are the residuals
+    the loop record keeps once, not counted in the records' per-step bytes."""
+    from tapegrad._loops import forwarded_ids
+    from tapegrad._tape import aval_str, step_residual_vars
 
     recs = tape.records
+    indent = f"padding-left:calc(6px + {2 * depth}ch)" if depth else ""
 
     def row(i: int) -> str:
         r = recs[i]
         ins = ", ".join(getattr(x, "aval", str(x)) for x in r.inputs)
         outs = ", ".join(o.aval for o in r.outputs)
         saves = ", ".join(f"{s} {aval_str(s.shape, s.dtype)}" for s in r.saves)
+        if saves and per_step:
+            saves = f"per step: {saves}"
         dec, cls = _decision(r)
-        params = r.params_str()
-        return (
+        params = " ".join(param_items(r))
+        once = sum(x.nbytes for x in r.saves if r.residual_key(x) in fwd)
+        own = r.saved_bytes - once
+        nbytes = _bytes_with_bodies(r) - once
+        notes = []
+        if depth and r.saves:
+            notes.append("bytes of one step" if per_step else "bytes of one run")
+        if r.bodies and nbytes != own:
+            notes.append(f"{own:,} B its own saves, {nbytes - own:,} B its bodies'")
+        if once:
+            notes.append(f"not counting {once:,} B the loop record keeps once")
+        note = "; ".join(notes) or None
+        out = (
             "<tr>"
             + cell(r.index, "n", r.index)
-            + cell(r.primitive, title=clip(params, 300) if params else None)
+            + cell(r.primitive, title=clip(params, 300) if params else None, style=indent)
             + cell(ins, limit=60)
             + cell(outs, limit=60)
             + cell(saves, limit=80)
-            + cell(f"{r.saved_bytes:,}", "n", r.saved_bytes)
+            + cell(f"{nbytes:,}", "n", nbytes, title=note)
             + cell(dec, cls)
             + cell(short_source(r.short_source, 40), title=r.source)
             + "</tr>"
         )
+        looped = per_step or r.primitive == "scan"
+        for b, body in enumerate(r.bodies):
+            step = sum(step_residual_vars(r, b).values()) if r.in_backward else 0
+            out += body_row(
+                _body_summary(r, b, len(body.records), per_step),
+                "".join(_tape_rows(body, looped, depth + 1, forwarded_ids(r))),
+                _TAPE_COLS,
+                f'data-record="{r.index}" data-branch="{b}" data-trip-count="{r.trip_count}" '
+                f'data-step-bytes="{step}"',
+            )
+        return out
 
     def summary(start: int, p: int, r: int) -> str:
         block = recs[start : start + p]
-        nbytes = sum(x.saved_bytes for x in recs[start : start + p * r])
+        nbytes = sum(_bytes_with_bodies(x) for x in recs[start : start + p * r])
         srcs = sorted({short_source(x.short_source, 40) for x in block})
         what = f"{p} records" if p > 1 else "record"
         return (
             f"<b>{r} ×</b> the same {what} (#{start}–#{start + p * r - 1}): "
             f"{e(clip(' '.join(x.primitive for x in block), 80))} · "
-            f"<b>{nbytes:,}</b> B in saves · {e(clip(', '.join(srcs), 90))}"
+            f"<b>{nbytes:,}</b> B in saves{' per step' if per_step else ''} · "
+            f"{e(clip(', '.join(srcs), 90))}"
         )
 
     runs = fold_runs([_record_sig(r) for r in recs], _fold_html)
+    return folded_rows(runs, row, summary, _TAPE_COLS)
+
+
+def tape_html(tape) -> str:
+    recs = tape.records
     colgroup, thead = header(_TAPE_COLS)
-    body = "".join(folded_rows(runs, row, summary, _TAPE_COLS))
+    body = "".join(_tape_rows(tape, False, 0))
     table = (
         f'<table class="tapegrad-tape" {width(_TAPE_COLS)}>{colgroup}{thead}'
         f"<tbody>{body}</tbody></table>"
@@ -444,8 +612,10 @@ def tape_html(tape) -> str:
     kept = tape.residual_vars()
     input_ids = {v.id for v in tape.inputs}
     in_bytes = sum(b for k, b in kept.items() if isinstance(k, int) and k in input_ids)
-    n_re = sum(r.decision == "recompute" for r in recs)
-    n_fb = sum(r.rule == "fallback" for r in recs)
+    loop_bytes = sum(b for k, b in kept.items() if type(k) is tuple and k[0] == "body")
+    walked = list(_walk(tape))
+    n_re = sum(r.decision == "recompute" for r, _, _ in walked)
+    n_fb = sum(r.rule == "fallback" for r, _, _ in walked)
     totals = [
         stat("records", len(recs), "records"),
         stat(
@@ -459,14 +629,21 @@ def tape_html(tape) -> str:
         stat("recomputed records", n_re, "recompute"),
         stat("fallback rules", n_fb, "fallback"),
     ]
+    n_inner = sum(1 for _, _, d in walked if d)
+    if n_inner:
+        totals[1:1] = [stat("records in loop/branch bodies", n_inner, "body_records")]
+        totals.insert(
+            -2, stat("of which loop bodies (all steps)", loop_bytes, "loop_bytes", "per step × T")
+        )
 
+    # Per source line: a loop record's own saves, its body records' saves × their steps.
     groups: dict[str, dict[str, Any]] = {}
-    for r in recs:
+    for r, mult, _ in walked:
         g = groups.setdefault(
             r.short_source, {"records": 0, "bytes": 0, "prims": [], "full": r.source}
         )
         g["records"] += 1
-        g["bytes"] += r.saved_bytes
+        g["bytes"] += r.saved_bytes * mult
         g["prims"].append(r.primitive)
 
     def src_cells(src: str, g: dict[str, Any]) -> str:
@@ -508,7 +685,30 @@ def _report_sig(r) -> tuple:
         r.host_bytes,
         r.compressed_bytes,
         short_source(r.source, 36),
+        tuple(_report_sig(x) for x in r.body),
     )
+
+
+def _bodies_of(r, rec) -> list[tuple[int, list]]:
+    """A report row's body rows grouped by body: ``(branch or 0, rows)`` in order."""
+    groups: dict[int, list] = {}
+    for x in r.body:
+        groups.setdefault(x.branch or 0, []).append(x)
+    return sorted(groups.items())
+
+
+def _report_body_label(r, rec, b: int, rows: list) -> tuple[str, str]:
+    """(label, ``100 B per step × 5 steps held = 500 B``) of one body of a report row."""
+    runs = max((x.steps for x in rows), default=1)
+    total = sum(x.bytes for x in rows)
+    if rec is not None:
+        label = body_label(rec, b)
+    else:
+        label = f"{r.primitive} branch {b}" if r.primitive == "cond" else f"{r.primitive} body"
+    run = "step" if (rec is not None and rec.primitive == "scan") else "run"
+    # runs of a cond differ by branch: a body's records can hold different numbers of runs
+    per = f"{total // runs:,}" if total % max(runs, 1) == 0 else f"{total / runs:,.1f}"
+    return label, f"{per} B per {run} × {runs:,} {run}{'s' if runs != 1 else ''} held = {total:,} B"
 
 
 def report_head(rep) -> list[str]:
@@ -531,6 +731,66 @@ def report_head(rep) -> list[str]:
         if rep.plan:
             why += f"; planner chose {rep.plan}"
         lines.append(clip(why, WIDTH))
+    for note in getattr(rep, "notes", ()):
+        lines.extend(
+            textwrap.wrap(note, WIDTH, initial_indent="  note: ", subsequent_indent="        ")
+        )
+    return lines
+
+
+def _report_lines(rows, tape, depth: int) -> list[str]:
+    """Report rows as text; a loop/branch record's body rows follow it, indented, each
+    body under a line with its bytes per step."""
+    pad = "  " * depth
+
+    def row(i: int) -> list[str]:
+        r = rows[i]
+        rec = tape.records[r.index] if tape is not None and r.index < len(tape.records) else None
+        saves = "(seg. input)" if r.saves == "(segment input)" else r.saves
+        prim = r.primitive
+        if r.body and rec is not None and rec.primitive == "scan":
+            prim += f" ×{rec.trip_count:,}"
+        src = short_source(r.source, 30)
+        if depth:  # bytes of one run, then the source (its line, at least)
+            per = f"{r.step_bytes:,} B/step · "
+            src = short_source(r.source, 30 - len(per))
+            m = _SRC.match(short_source(r.source, 99))
+            if m is not None and ("…" in src or src.endswith("()")):
+                src = clip(f"{m.group(1)}:{m.group(2)}", 30 - len(per))
+            src = per + src
+        out = [
+            f"{r.index:>5} {clip(pad + prim, 14):<14} {clip(saves, 12):<12} "
+            f"{r.device_bytes:>11,} {r.host_bytes:>11,} {r.compressed_bytes:>10,}  {src}"
+        ]
+        if r.checkpoint_bytes:
+            every = f" every {rec.schedule:,} steps" if rec is not None else ""
+            out.append(f"{'':>5} {pad}  carries kept{every}: {r.checkpoint_bytes:,} B")
+        for b, body_rows in _bodies_of(r, rec):
+            label, what = _report_body_label(r, rec, b, body_rows)
+            out.append(f"{'':>5} {pad}  {label}: {what}")
+            body = rec.bodies[b] if rec is not None and b < len(rec.bodies) else None
+            out.extend(_report_lines(body_rows, body, depth + 1))
+        return out
+
+    lines: list[str] = []
+    for start, p, r in fold_runs([_report_sig(x) for x in rows], _fold_text):
+        if r == 1:
+            lines.extend(row(start))
+            continue
+        for i in range(start, start + p):
+            lines.extend(row(i))
+        hidden = rows[start + p : start + (r - 1) * p]
+        what = "row" if p == 1 else f"{p} rows"
+        lines.append(
+            clip(
+                f"    {pad}⋮ {r - 2} × the {what} above again (#{hidden[0].index}–"
+                f"#{hidden[-1].index}): {sum(x.device_bytes for x in hidden):,} device, "
+                f"{sum(x.host_bytes for x in hidden):,} host bytes",
+                WIDTH,
+            )
+        )
+        for i in range(start + (r - 1) * p, start + r * p):
+            lines.extend(row(i))
     return lines
 
 
@@ -540,33 +800,7 @@ def report_text(rep) -> str:
         f"{'#':>5} {'primitive':<14} {'saves':<12} {'device':>11} {'host':>11} "
         f"{'compressed':>10}  source"
     )
-    rows = rep.records
-
-    def row(i: int) -> str:
-        r = rows[i]
-        saves = "(seg. input)" if r.saves == "(segment input)" else r.saves
-        return (
-            f"{r.index:>5} {clip(r.primitive, 14):<14} {clip(saves, 12):<12} "
-            f"{r.device_bytes:>11,} {r.host_bytes:>11,} {r.compressed_bytes:>10,}  "
-            f"{short_source(r.source, 30)}"
-        )
-
-    for start, p, r in fold_runs([_report_sig(x) for x in rows], _fold_text):
-        if r == 1:
-            lines.append(row(start))
-            continue
-        lines.extend(row(i) for i in range(start, start + p))
-        hidden = rows[start + p : start + (r - 1) * p]
-        what = "row" if p == 1 else f"{p} rows"
-        lines.append(
-            clip(
-                f"    ⋮ {r - 2} × the {what} above again (#{hidden[0].index}–"
-                f"#{hidden[-1].index}): {sum(x.device_bytes for x in hidden):,} device, "
-                f"{sum(x.host_bytes for x in hidden):,} host bytes",
-                WIDTH,
-            )
-        )
-        lines.extend(row(i) for i in range(start + (r - 1) * p, start + r * p))
+    lines.extend(_report_lines(rep.records, rep.tape, 0))
     return "\n".join(line if len(line) <= WIDTH else clip(line, WIDTH) for line in lines)
 
 
@@ -582,25 +816,41 @@ _REPORT_COLS = (
 )
 
 
-def report_html(rep) -> str:
+def _report_rows_html(rows, tape, depth: int) -> list[str]:
     from tapegrad._tape import aval_str
 
-    rows = rep.records
-    tape = rep.tape
+    indent = f"padding-left:calc(6px + {2 * depth}ch)" if depth else ""
 
-    def saves_of(r) -> str:
-        if tape is None or r.saves == "(segment input)":
-            return r.saves
-        return ", ".join(f"{s} {aval_str(s.shape, s.dtype)}" for s in tape.records[r.index].saves)
+    def rec_of(r):
+        if tape is None or r.index >= len(tape.records):
+            return None
+        return tape.records[r.index]
+
+    def saves_of(r, rec) -> str:
+        if rec is None or r.saves == "(segment input)":
+            s = r.saves
+        else:
+            named = r.saves.split(",")  # in a body: less what the loop record keeps once
+            s = ", ".join(f"{x} {aval_str(x.shape, x.dtype)}" for x in rec.saves if str(x) in named)
+            own = {str(x) for x in rec.saves}
+            rest = [p for p in named if p not in own]
+            s = ", ".join(p for p in (s, ",".join(rest)) if p)
+        if depth:
+            s = f"{r.step_bytes:,} B per run: {s}"
+        return s
 
     def row(i: int) -> str:
         r = rows[i]
+        rec = rec_of(r)
         dec = report_decision(r)
-        return (
+        prim = r.primitive
+        if r.body and rec is not None and rec.primitive == "scan":
+            prim += f" ×{rec.trip_count:,}"
+        out = (
             "<tr>"
             + cell(r.index, "n", r.index)
-            + cell(r.primitive)
-            + cell(saves_of(r), limit=80)
+            + cell(prim, style=indent)
+            + cell(saves_of(r, rec), limit=80)
             + cell(dec, "d-" + dec.split("+")[-1].split(" ")[0])
             + cell(f"{r.device_bytes:,}", "n", r.device_bytes)
             + cell(f"{r.host_bytes:,}", "n", r.host_bytes)
@@ -608,6 +858,27 @@ def report_html(rep) -> str:
             + cell(short_source(r.source, 40), title=r.source)
             + "</tr>"
         )
+        for b, body_rows in _bodies_of(r, rec):
+            label, what = _report_body_label(r, rec, b, body_rows)
+            body = rec.bodies[b] if rec is not None and b < len(rec.bodies) else None
+            runs = max((x.steps for x in body_rows), default=1)
+            total = sum(x.bytes for x in body_rows)
+            summary = (
+                f"<b>{e(label)}</b>: {e(what)} (device "
+                f"{sum(x.device_bytes for x in body_rows):,}, host "
+                f"{sum(x.host_bytes for x in body_rows):,})"
+            )
+            if r.checkpoint_bytes and b == _bodies_of(r, rec)[0][0]:
+                every = f" every {rec.schedule:,} steps" if rec is not None else ""
+                summary += f" · carries kept{every}: <b>{r.checkpoint_bytes:,}</b> B"
+            out += body_row(
+                summary,
+                "".join(_report_rows_html(body_rows, body, depth + 1)),
+                _REPORT_COLS,
+                f'data-record="{r.index}" data-branch="{b}" data-runs="{runs}" '
+                f'data-bytes="{total}"',
+            )
+        return out
 
     def summary(start: int, p: int, r: int) -> str:
         run = rows[start : start + p * r]
@@ -622,8 +893,14 @@ def report_html(rep) -> str:
         )
 
     runs = fold_runs([_report_sig(x) for x in rows], _fold_html)
+    return folded_rows(runs, row, summary, _REPORT_COLS)
+
+
+def report_html(rep) -> str:
+    rows = rep.records
+    tape = rep.tape
     colgroup, thead = header(_REPORT_COLS)
-    body = "".join(folded_rows(runs, row, summary, _REPORT_COLS))
+    body = "".join(_report_rows_html(rows, tape, 0))
     table = (
         f'<table class="tapegrad-memory" {width(_REPORT_COLS)}>{colgroup}{thead}'
         f"<tbody>{body}</tbody></table>"
@@ -645,6 +922,9 @@ def report_html(rep) -> str:
         stat("records recomputed", n_re, "recompute"),
         stat("recompute MFLOP", f"{rep.recompute_flops / 1e6:,.2f}", "recompute_flops"),
     ]
+    loop_bytes = sum(x.bytes for r in rows for x in r.body)
+    if loop_bytes or any(r.body for r in rows):
+        totals.insert(5, stat("in loop/branch bodies", loop_bytes, "loop_bytes", "all steps held"))
     if rep.plan:
         totals.append(stat("planner chose", rep.plan, "plan"))
     if rep.budget_bytes is not None:
@@ -657,13 +937,15 @@ def report_html(rep) -> str:
             )
         )
 
+    # Per source line; a loop record's row counts its own saves only, its body rows the
+    # rest (so the lines add up to the totals).
     groups: dict[str, dict[str, Any]] = {}
-    for r in rows:
+    for r in rep.rows():
         g = groups.setdefault(r.source, {"rows": 0, "device": 0, "host": 0, "comp": 0, "prims": []})
         g["rows"] += 1
-        g["device"] += r.device_bytes
-        g["host"] += r.host_bytes
-        g["comp"] += r.compressed_bytes
+        g["device"] += r.device_bytes - sum(x.device_bytes for x in r.body)
+        g["host"] += r.host_bytes - sum(x.host_bytes for x in r.body)
+        g["comp"] += r.compressed_bytes - sum(x.compressed_bytes for x in r.body)
         g["prims"].append(r.primitive)
 
     def src_cells(src: str, g: dict[str, Any]) -> str:
@@ -686,4 +968,12 @@ def report_html(rep) -> str:
         ),
         src_cells,
     )
+    notes = getattr(rep, "notes", ())
+    if notes:
+        extra = (
+            '<div class="tg-notes">'
+            + "".join(f"<div>note: {e(n)}</div>" for n in notes)
+            + "</div>"
+            + extra
+        )
     return page("tg-memory", totals, table, extra)

@@ -240,12 +240,12 @@ def forward(
 
     for rec in tape.records:
         ins = [env[i.id] if isinstance(i, Var) else i.value for i in rec.inputs]
-        if rec.bodies and rec.rule != "none":
+        if rec.bodies and rec.rule != "none" and rec.decision != "recompute":
             outs, body_res = loop_forward(rec, ins, res, observer)
-            derived = None
+            derived: Any = None
             store[("body", rec.index)], refs[("body", rec.index)] = body_res, 1
         else:
-            outs, derived = _run(rec, ins)
+            outs, derived = _run(rec, ins)  # type: ignore[assignment]
         if observer is not None:
             observer.forward_record(rec, ins, outs)
         for o, val in zip(rec.outputs, outs):
@@ -272,7 +272,7 @@ def forward(
                 else:
                     store[key] = _pack(res, rec, key, s, value)
             res.keys[rec.index] = tuple(keys)
-        if rec.bodies and rec.rule != "none":
+        if rec.bodies and rec.rule != "none" and rec.decision != "recompute":
             res.keys[rec.index] = res.keys.get(rec.index, ()) + (("body", rec.index),)
         for i in rec.inputs:
             if isinstance(i, Var) and last_use.get(i.id) == rec.index:
@@ -470,7 +470,11 @@ def backward(
         for k in seg.records:
             rec = tape.records[k]
             ins = [vals[u.id] if isinstance(u, Var) else u.value for u in rec.inputs]
-            outs, derived = _run(rec, ins)
+            if rec.bodies and rec.rule != "none":
+                outs, recomputed[("body", rec.index)] = loop_forward(rec, ins, res)
+                derived: Any = None
+            else:
+                outs, derived = _run(rec, ins)  # type: ignore[assignment]
             for o, val in zip(rec.outputs, outs):
                 if o.id in wanted:
                     recomputed[o.id] = val
@@ -506,7 +510,14 @@ def backward(
         if any(g is not None for g in gs):
             x, y, aux = _saved_values(rec, rec.saves, keys, get)
             if rec.bodies:
-                in_cts = loop_backward(rec, x, store[("body", rec.index)], gs, retain, observer)
+                stored = store.get(("body", rec.index))
+                if stored is None:  # a recomputed loop: re-run it (its segment) first
+                    stored = recomputed.pop(("body", rec.index), None)
+                    if stored is None:
+                        seg = next(g for g in tape.segments if rec.index in g.records)
+                        _recompute(seg)
+                        stored = recomputed.pop(("body", rec.index))
+                in_cts = loop_backward(rec, x, stored, gs, retain, observer)
             else:
                 rule = lookup(rec.primitive) or FALLBACK
                 in_cts = _apply_rule(rule, rec, x, y, aux, gs)

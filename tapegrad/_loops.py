@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tapegrad._tape import Lit, Record, Saved, Tape, as_dtype
+from tapegrad._tape import Lit, Record, Saved, Tape, Var, as_dtype
 
 __all__ = ["loop_forward", "loop_backward", "forwarded_ids"]
 
@@ -206,7 +206,7 @@ def _carry_pairs(rec: Record, keys) -> list[tuple[int, int, int]]:
     pairs = []
     for j in range(nk):
         k_in, out = body.inputs[nc + j].id, body.outputs[j]
-        if type(out) is not Lit and out.id not in ins and k_in in keys and out.id in keys:
+        if isinstance(out, Var) and out.id not in ins and k_in in keys and out.id in keys:
             pairs.append((k_in, out.id, j))
     return pairs
 
@@ -666,7 +666,9 @@ def _segmented_backward(rec: Record, x: list, st: _Segmented, gs: list, retain: 
         out[nc + j] = ct_c[j] if (rec.active[nc + j] and c_act[j]) else None
     for j in range(n_xs):
         if rec.active[nc + nk + j]:
-            main = ct_main[j].reshape((n * k,) + ct_main[j].shape[2:])
+            seg_ct = ct_main[j]
+            assert seg_ct is not None  # an active scanned input gets a cotangent per segment
+            main = seg_ct.reshape((n * k,) + seg_ct.shape[2:])
             rem_ct = _ct_or_zeros(in_rem[nc + nk + j], (r,) + main.shape[1:], main.dtype)
             out[nc + nk + j] = jnp.concatenate([main, rem_ct])
     return out

@@ -9,6 +9,7 @@ device copies that unpacking brings back while a record needs them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -18,8 +19,10 @@ import jax
 from jax import tree_util
 
 from tapegrad._checkpoint import segment_peak
+from tapegrad._display import short_source
 from tapegrad._interpret import forward
-from tapegrad._tape import Tape, as_dtype
+from tapegrad._loops import _Segmented, _Stored, forwarded_ids
+from tapegrad._tape import Record, Tape, as_dtype, loop_bytes
 from tapegrad.policies._base import is_plain, resolve_policy
 from tapegrad.policies.budget import Budget, segment_flops
 
@@ -38,10 +41,38 @@ class RecordMemory:
     host_bytes: int
     compressed_bytes: int  # bytes stored in a dtype other than the residual's own
     original_bytes: int  # bytes the residuals would take unpacked
+    # A record inside a loop or branch body: its bytes are summed over the ``steps`` body
+    # runs whose residuals are held (a scan's trip count, times enclosing loops'); 1 at
+    # the top level. ``depth`` counts the enclosing bodies, ``branch`` is the cond
+    # branch (None elsewhere).
+    steps: int = 1
+    depth: int = 0
+    branch: int | None = None
+    # For a loop/branch record: the rows of its body records (all branches, in order).
+    # The record's own bytes include theirs (and its own saves, kept once).
+    body: tuple[RecordMemory, ...] = ()
+    # A checkpointed scan's carries (kept every `schedule` steps), in its bytes too.
+    checkpoint_bytes: int = 0
 
     @property
     def bytes(self) -> int:
         return self.device_bytes + self.host_bytes
+
+    @property
+    def step_bytes(self) -> int:
+        """Bytes one body run holds (``bytes`` / ``steps``; ``bytes`` at the top level)."""
+        return self.bytes // max(self.steps, 1)
+
+    @property
+    def body_bytes(self) -> int:
+        """Bytes of the body rows (over all steps); 0 for a record without a body."""
+        return sum(r.bytes for r in self.body)
+
+    def walk(self):
+        """This row, then its body rows (recursively), depth first."""
+        yield self
+        for r in self.body:
+            yield from r.walk()
 
 
 @dataclass(frozen=True)
@@ -54,7 +85,15 @@ class MemoryReport:
       as they are, so alive anyway);
     * ``peak_bytes``: peak of live residual bytes (packed + unpacked device copies)
       over forward and backward;
-    * ``timeline``: ``(step, live bytes)`` after each record, forward then backward.
+    * ``timeline``: ``(step, live bytes)`` after each record, forward then backward
+      (a loop record's backward adds a ``"bwd i step"`` point: its stored steps plus
+      one step's unpacked copies, under a policy that unpacks);
+    * ``records``: one row per record keeping residuals. A loop/branch record's row
+      counts its per-step residuals over every step held (read off the arrays the run
+      stacked or kept per step; eagerly a cond holds the branch taken), and lists its
+      body records' rows in ``row.body`` (``rows()`` walks them all);
+    * ``notes``: what the report cannot see (a fallback's or custom_jvp's backward
+      that runs `jax.vjp`, whose internal residuals are not counted).
     """
 
     policy: Any
@@ -80,6 +119,14 @@ class MemoryReport:
     # planner chose ("chain DP", "cuts+dots_saveable", ...) when one ran.
     recompute_flops: float = 0.0
     plan: str | None = None
+    # What the report cannot see, one line each: records whose backward runs jax.vjp
+    # (fallback rules, custom_jvp calls), whose internal residuals are not counted.
+    notes: tuple[str, ...] = ()
+
+    def rows(self):
+        """Every row, body rows after their loop/branch record's row (depth first)."""
+        for r in self.records:
+            yield from r.walk()
 
     def __str__(self) -> str:
         from tapegrad._display import report_text
@@ -212,13 +259,166 @@ def _leaf_bytes(packed) -> tuple[int, int, list]:
     return dev, host, dtypes
 
 
-def _saves_label(rec, keys, first_user) -> str:
-    """What a row holds: the record's own saves, then outputs it is charged for because a
-    later record keeps them (``out0→tanh``), or a recompute segment's input."""
-    own = {rec.residual_key(s) for s in rec.saves}
-    parts = [",".join(map(str, rec.saves))] if rec.saves else []
+# Bytes of residuals, as a list: device, host, compressed on device, compressed on host
+# (both already in the first two), and what they would take unpacked.
+_Acc = list
+
+
+def _measure(packed, info, runs: int = 1, seen: set[int] | None = None) -> _Acc:
+    """The bytes of one packed residual; ``runs`` is how many body runs it stacks
+    (``info`` describes one run's value). Arrays already in ``seen`` (a loop step's carry
+    shared with the step before) count nothing; the ones counted are added to it."""
+    d = h = 0
+    dts = []
+    new = 0
+    for leaf in tree_util.tree_leaves(packed):
+        if not hasattr(leaf, "nbytes") or not hasattr(leaf, "dtype"):
+            continue
+        dts.append(as_dtype(leaf.dtype))
+        if seen is not None:
+            if id(leaf) in seen:
+                continue
+            seen.add(id(leaf))
+        new += 1
+        kind = getattr(getattr(leaf, "sharding", None), "memory_kind", None) or "device"
+        if "host" in kind:
+            h += leaf.nbytes
+        else:
+            d += leaf.nbytes
+    if dts and not new:
+        return [0] * 5  # all shared with a value counted already
+    comp = info is not None and any(dt != info.dtype for dt in dts)
+    orig = info.nbytes * runs if info is not None else d + h
+    return [d, h, d if comp else 0, h if comp else 0, orig]
+
+
+def _add(acc: _Acc, more: _Acc) -> _Acc:
+    for i, v in enumerate(more):
+        acc[i] += v
+    return acc
+
+
+def _is_body_key(key) -> bool:
+    return type(key) is tuple and len(key) == 2 and key[0] == "body"
+
+
+def _is_loop_store(x) -> bool:
+    return isinstance(x, (_Stored, _Segmented))
+
+
+class _Body:
+    """The per-step residuals one loop/branch record held in a real run, measured off
+    its `_Stored` (or a checkpointed scan's `_Segmented`), summed over every body run
+    (each branch of a cond apart). ``seen``: ids of the arrays counted so far."""
+
+    def __init__(self, rec: Record, seen: set[int]):
+        n = len(rec.bodies)
+        self.rec = rec
+        self.seen = seen
+        self.keys: list[dict[Any, _Acc]] = [{} for _ in range(n)]
+        self.nested: list[dict[int, _Body]] = [{} for _ in range(n)]
+        self.runs = [0] * n  # body runs whose residuals are held, per branch
+        self.checkpoints = [0] * 5  # a checkpointed scan's carries (no record's residual)
+
+    def add(self, stored: Any, mult: int = 1, length: int | None = None) -> None:
+        """Measure one `_Stored`; ``mult`` is how many runs each of its leaves already
+        stacks (a body inside a stacked scan holds one row per outer step); ``length``
+        the steps a scan's `_Stored` holds (its trip count unless told)."""
+        rec = self.rec
+        if isinstance(stored, _Segmented):  # the carry every k steps, then the remainder
+            _add(self.checkpoints, _measure(stored.checkpoints, None, mult, self.seen))
+            k = rec.schedule
+            self.add(stored.rem, mult, rec.trip_count - (rec.trip_count // k) * k)
+            return
+        if stored.steps is not None:  # one Residuals per step (Python loop, concrete cond)
+            b = stored.branch or 0
+            for r in stored.steps:
+                if r is not None:
+                    self.runs[b] += mult
+                    self._add_store(b, r.store, r.infos, mult)
+        elif stored.values is not None:  # stacked (scan) or a union over branches (switch)
+            if rec.primitive == "cond":
+                for b in range(len(rec.bodies)):
+                    self.runs[b] += mult
+                    vals = dict(zip(stored.keys[b], stored.values[b]))
+                    self._add_store(b, vals, stored.skel[b].infos, mult)
+            else:
+                runs = mult * (rec.trip_count if length is None else length)
+                self.runs[0] += runs
+                vals = dict(zip(stored.keys, stored.values))
+                self._add_store(0, vals, stored.skel.infos, runs)
+                # A carry saved as a step's input is the step before's saved output, but
+                # for the first step's: the initial carry, kept beside the stack.
+                firsts = {k_in: init for k_in, _, init in getattr(stored, "shifted", ())}
+                self._add_store(0, firsts, stored.skel.infos, mult)
+
+    def _add_store(self, b: int, store: dict, infos: dict, mult: int) -> None:
+        body = self.rec.bodies[b]
+        fwd = forwarded_ids(self.rec)
+        consts = {v.id: c for v, c in body.consts}
+        for key, packed in store.items():
+            if key in fwd:
+                continue  # kept once by the record itself (its own saves)
+            if _is_body_key(key) and _is_loop_store(packed):
+                j = key[1]
+                nb = self.nested[b].setdefault(j, _Body(body.records[j], self.seen))
+                nb.add(packed, mult)
+                continue
+            if key in consts and packed is consts[key]:
+                continue  # the body's constant itself, owned by the tape
+            acc = _measure(packed, infos.get(key), mult, self.seen)
+            _add(self.keys[b].setdefault(key, [0] * 5), acc)
+
+    def sizes(self, b: int) -> dict[Any, _Acc]:
+        """Branch ``b``'s residual key -> bytes over all runs (nested bodies as one key)."""
+        out = dict(self.keys[b])
+        for j, nb in self.nested[b].items():
+            out[("body", j)] = nb.total()
+        return out
+
+    def total(self) -> _Acc:
+        acc = list(self.checkpoints)
+        for b in range(len(self.keys)):
+            for a in self.sizes(b).values():
+                _add(acc, a)
+        return acc
+
+
+def _arrays(x) -> list:
+    """The arrays inside packed residuals, loop bodies' per-step residuals included."""
+    out: list = []
+    if isinstance(x, _Segmented):
+        return _arrays(x.checkpoints) + _arrays(x.rem)
+    if isinstance(x, _Stored):
+        if x.steps is not None:
+            for r in x.steps:
+                if r is not None:
+                    out.extend(_arrays(list(r.store.values())))
+        if x.values is not None:
+            out.extend(_arrays(x.values))
+        out.extend(_arrays([init for _, _, init in getattr(x, "shifted", ())]))
+        return out
+    for leaf in tree_util.tree_leaves(x, is_leaf=_is_loop_store):
+        if _is_loop_store(leaf):
+            out.extend(_arrays(leaf))
+        elif isinstance(leaf, jax.Array):
+            out.append(leaf)
+    return out
+
+
+def _saves_label(rec, keys, first_user, skip=frozenset()) -> str:
+    """What a row holds: the record's own saves (less ``skip``: in a body, what the loop
+    record keeps once), then outputs it is charged for because a later record keeps them
+    (``out0→tanh``), a recompute segment's input, or a loop record's per-step residuals
+    (``body``)."""
+    saves = [s for s in rec.saves if rec.residual_key(s) not in skip]
+    own = {rec.residual_key(s) for s in saves}
+    parts = [",".join(map(str, saves))] if saves else []
     for key in keys:
         if key in own:
+            continue
+        if _is_body_key(key):
+            parts.append("body")
             continue
         i = next((j for j, o in enumerate(rec.outputs) if o.id == key), None)
         user = first_user.get(key)
@@ -226,13 +426,11 @@ def _saves_label(rec, keys, first_user) -> str:
     return ",".join(dict.fromkeys(parts)) or "(segment input)"
 
 
-def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> MemoryReport:
-    plain = is_plain(policy)
+def _owners(tape: Tape, keys) -> tuple[dict[int, list], dict[Any, str]]:
+    """(record index -> the kept keys charged to it, key -> its first saver's primitive).
+    A value is charged to its producer, else to its first saver; a loop record's
+    per-step residuals to the loop record."""
     producer = {o.id: rec.index for rec in tape.records for o in rec.outputs}
-    input_ids = {v.id for v in tape.inputs} | {v.id for v, _ in tape.consts}
-    seg_of = tape.residual_keys()[1] if tape.segments else {}
-
-    # Which record a kept value is charged to: its producer, else its first user.
     owner: dict[Any, int] = {}
     first_user: dict[Any, str] = {}  # the primitive of the first record that keeps the value
     for rec in tape.records:
@@ -240,31 +438,54 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
             key = rec.residual_key(s_)
             owner.setdefault(key, producer.get(key, rec.index))
             first_user.setdefault(key, rec.primitive)
+        if rec.bodies:
+            owner[("body", rec.index)] = rec.index
     for seg in tape.segments:
         for v in seg.inputs:
             owner.setdefault(v.id, producer.get(v.id, seg.records[0]))
-    sizes = {key: _leaf_bytes(packed)[:2] for key, packed in res.store.items()}
-    const_ids = {v.id for v, _ in tape.consts}
-    for k in const_ids:
-        sizes.pop(k, None)  # constants belong to the tape, not to the residuals
-
-    rows = []
     by_rec: dict[int, list] = {}
-    for key in sizes:
+    for key in keys:
         by_rec.setdefault(owner.get(key, -1), []).append(key)
+    return by_rec, first_user
+
+
+def _rows(
+    tape: Tape,
+    sizes: dict[Any, _Acc],
+    bodies: dict[int, _Body],
+    steps: int = 1,
+    depth: int = 0,
+    branch: int | None = None,
+    skip=frozenset(),
+) -> list[RecordMemory]:
+    """One row per record of ``tape`` that is charged residuals; loop/branch records'
+    rows carry their bodies' rows."""
+    by_rec, first_user = _owners(tape, sizes)
+    skip = frozenset(skip)
+    rows = []
     for rec in tape.records:
         keys = by_rec.get(rec.index)
         if not keys:
             continue
-        dev = host = comp = orig = 0
+        acc = [0] * 5
         for key in keys:
-            d, h, dts = _leaf_bytes(res.store[key])
-            info = res.infos.get(key)
-            want = info.dtype if info is not None else None
-            dev, host = dev + d, host + h
-            orig += info.nbytes if info is not None else d + h
-            if want is not None and any(dt != want for dt in dts):
-                comp += d + h
+            _add(acc, sizes[key])
+        body: tuple[RecordMemory, ...] = ()
+        bm = bodies.get(rec.index)
+        if bm is not None:
+            body = tuple(
+                row
+                for b in range(len(rec.bodies))
+                for row in _rows(
+                    rec.bodies[b],
+                    bm.sizes(b),
+                    bm.nested[b],
+                    bm.runs[b],
+                    depth + 1,
+                    b if rec.primitive == "cond" else None,
+                    forwarded_ids(rec),
+                )
+            )
         label = rec.primitive
         if label == "custom_vjp_call":  # show a tg.Function / custom_vjp by its name
             from tapegrad.rules.control import custom_vjp_name
@@ -275,19 +496,102 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
                 rec.index,
                 label,
                 rec.source,
-                _saves_label(rec, keys, first_user),
-                dev,
-                host,
-                comp,
-                orig,
+                _saves_label(rec, keys, first_user, skip),
+                acc[0],
+                acc[1],
+                acc[2] + acc[3],
+                acc[4],
+                steps,
+                depth,
+                branch,
+                body,
+                sum(bm.checkpoints[:2]) if bm is not None else 0,
             )
         )
+    return rows
 
-    def compressed(key) -> bool:  # the same test as a row's compressed_bytes
-        info = res.infos.get(key)
-        return info is not None and any(dt != info.dtype for dt in _leaf_bytes(res.store[key])[2])
 
-    kind_of = {k: ((0, 0, d + h) if compressed(k) else (d, h, 0)) for k, (d, h) in sizes.items()}
+def _step_transient(rec: Record) -> int:
+    """Device bytes one step of a loop/branch record's backward unpacks on top of the
+    stored residuals (non-`save` policies): the step's residuals and its slices of the
+    scanned inputs, plus the deepest nested body's own step (a cond: its largest branch)."""
+    best = 0
+    for body in rec.bodies:
+        kept, _ = body.residual_keys()
+        skip = {v.id for v, _ in body.consts}
+        nc = rec.params["num_consts"] if rec.primitive == "scan" else len(body.inputs)
+        skip |= {v.id for v in body.inputs[:nc]}  # consts/operands: the record's own saves
+        n = sum(v.nbytes for k, v in kept.items() if k not in skip)
+        inner = [_step_transient(r) for r in body.records if r.bodies and r.in_backward]
+        n += max(inner, default=0)
+        best = max(best, n)
+    return best
+
+
+def _segment_transient(rec: Record) -> int:
+    """Bytes a checkpointed scan's backward recomputes at a time: one segment's residuals."""
+    if rec.primitive != "scan" or not rec.schedule:
+        return 0
+    lb = loop_bytes(rec)
+    return dataclasses.replace(lb, steps=rec.schedule, checkpoints=0).total
+
+
+# Rules whose backward runs jax.vjp on the record's primitive: the residuals jax keeps
+# inside that call are made and freed within the record's backward, out of our sight.
+_OPAQUE_RULES = ("fallback", "custom_jvp", "checkpoint")
+
+
+def _notes(tape: Tape) -> tuple[str, ...]:
+    """One note per (primitive, source line) whose backward the report cannot see into."""
+    groups: dict[tuple[str, str], list[str]] = {}
+
+    def visit(t: Tape, where: str) -> None:
+        for rec in t.records:
+            if rec.rule in _OPAQUE_RULES:
+                src = short_source(rec.short_source, 60)
+                groups.setdefault((rec.primitive, src), []).append(f"#{rec.index}{where}")
+            for b, body in enumerate(rec.bodies):
+                part = f"branch {b}" if rec.primitive == "cond" else "body"
+                visit(body, f" (in #{rec.index}'s {part}{where.replace(' (in', ',')})")
+
+    visit(tape, "")
+    notes = []
+    for (prim, src), who in groups.items():
+        shown = ", ".join(who[:3]) + (f" and {len(who) - 3} more" if len(who) > 3 else "")
+        notes.append(
+            f"backward of {prim} {shown} at {src} runs jax.vjp: its internal residuals "
+            "are not counted"
+        )
+    return tuple(notes)
+
+
+def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> MemoryReport:
+    plain = is_plain(policy)
+    input_ids = {v.id for v in tape.inputs} | {v.id for v, _ in tape.consts}
+    seg_of = tape.residual_keys()[1] if tape.segments else {}
+    const_ids = {v.id for v, _ in tape.consts}
+
+    # Bytes per kept key, read off the packed values; a loop record's per-step residuals
+    # are one key, measured (with its bodies' rows) off its _Stored.
+    sizes_acc: dict[Any, _Acc] = {}
+    bodies: dict[int, _Body] = {}
+    seen: set[int] = set()
+    for key, packed in res.store.items():
+        if key in const_ids:
+            continue  # constants belong to the tape, not to the residuals
+        if not (_is_body_key(key) and _is_loop_store(packed)):
+            sizes_acc[key] = _measure(packed, res.infos.get(key), 1, seen)
+    for key, packed in res.store.items():  # loops last: what they share is counted once
+        if _is_body_key(key) and _is_loop_store(packed):
+            bm = bodies[key[1]] = _Body(tape.records[key[1]], seen)
+            bm.add(packed)
+            sizes_acc[key] = bm.total()
+    rows = _rows(tape, sizes_acc, bodies)
+    by_rec, _ = _owners(tape, sizes_acc)
+    sizes = {k: a[0] + a[1] for k, a in sizes_acc.items()}
+    # by kind (device, host, compressed): compressed residuals count as compressed
+    # wherever they live
+    kind_of = {k: (a[0] - a[2], a[1] - a[3], a[2] + a[3]) for k, a in sizes_acc.items()}
     lk = [0, 0, 0]  # live bytes by kind (device, host, compressed), mirroring ``live``
 
     def add_kind(key, sign=1):
@@ -296,7 +600,7 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
 
     timeline = []
     timeline_kinds = []
-    live = sum(sum(sizes[k]) for k in sizes if isinstance(k, int) and k in input_ids)
+    live = sum(sizes[k] for k in sizes if isinstance(k, int) and k in input_ids)
     for k in sizes:
         if isinstance(k, int) and k in input_ids:
             add_kind(k)
@@ -304,7 +608,7 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
     for rec in tape.records:
         for key in by_rec.get(rec.index, ()):
             if not (isinstance(key, int) and key in input_ids):
-                live += sum(sizes[key])
+                live += sizes[key]
                 add_kind(key)
         timeline.append((f"fwd {rec.index}", live))
         timeline_kinds.append((lk[0], lk[1], lk[2]))
@@ -318,7 +622,7 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
         remaining[key] -= 1
         if remaining[key] == 0:
             copy = extra.pop(key, 0)
-            live -= sum(sizes.get(key, (0, 0))) + copy
+            live -= sizes.get(key, 0) + copy
             add_kind(key, -1)
             lk[0] -= copy
 
@@ -352,19 +656,30 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
                 extra[key] = s_.nbytes  # the device copy unpack brings back
                 live += s_.nbytes
                 lk[0] += s_.nbytes
+        if ("body", rec.index) in sizes:
+            # A loop's stacked residuals stay until its backward ends; each step unpacks
+            # its own residuals (device copies) on top of them, and a checkpointed scan
+            # recomputes one segment's residuals first.
+            step = (0 if plain else _step_transient(rec)) + _segment_transient(rec)
+            if step:
+                peak = max(peak, live + step)
+                timeline.append((f"bwd {rec.index} step", live + step))
+                timeline_kinds.append((lk[0] + step, lk[1], lk[2]))
         peak = max(peak, live)
         for key in keys:
             release(key)
         timeline.append((f"bwd {rec.index}", live))
         timeline_kinds.append((lk[0], lk[1], lk[2]))
-    dev_total = sum(d for d, _ in sizes.values())
-    host_total = sum(h for _, h in sizes.values())
+    dev_total = sum(a[0] for a in sizes_acc.values())
+    host_total = sum(a[1] for a in sizes_acc.values())
     arg_ids = {id(a) for a in args}
-    input_total = sum(
-        sum(sizes[k])
-        for k in sizes
-        if any(id(leaf) in arg_ids for leaf in tree_util.tree_leaves(res.store[k]))
-    )
+    input_total = 0
+    for k in sizes:
+        v = res.store[k]
+        if _is_loop_store(v):  # a loop's initial carry can be an input
+            input_total += sum(a.nbytes for a in _arrays(v) if id(a) in arg_ids)
+        elif any(id(leaf) in arg_ids for leaf in tree_util.tree_leaves(v)):
+            input_total += sizes[k]
     planner = _planner_of(policy)
     return MemoryReport(
         policy,
@@ -381,6 +696,7 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
         planner.bytes if planner is not None else None,
         sum(segment_flops(tape, seg) for seg in tape.segments),
         planner.last.get("plan") if planner is not None else None,
+        _notes(tape),
     )
 
 
@@ -411,7 +727,7 @@ def memory_report(fun: Callable, argnums: int | Sequence[int] = 0, *, policy: An
         owners = _leaf_owners(args)
         t = _Traced(fun, args, lambda i: owners[i] in nums, False, "memory_report", pol)
         _, res = forward(t.tape, t.flat, pol)
-        jax.block_until_ready(list(res.store.values()))
+        jax.block_until_ready(_arrays(list(res.store.values())))
         return report_from_run(t.tape, res, pol, t.flat)
 
     return report_f

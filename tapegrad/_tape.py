@@ -16,7 +16,18 @@ import numpy as np
 
 from tapegrad import _jax_compat as compat
 
-__all__ = ["Var", "Lit", "Saved", "Record", "Tape"]
+__all__ = [
+    "Var",
+    "Lit",
+    "Saved",
+    "Record",
+    "Tape",
+    "step_residual_vars",
+    "step_residual_bytes",
+    "loop_residual_bytes",
+    "loop_bytes",
+    "LoopBytes",
+]
 
 
 def as_dtype(dtype: Any) -> Any:
@@ -329,10 +340,24 @@ class Tape:
 
     def residual_vars(self) -> dict[Any, int]:
         """Distinct values kept for backward and their bytes: a value saved by several
-        records counts once; constants (owned by the tape) are not counted."""
+        records counts once; constants (owned by the tape) are not counted.
+
+        A loop or branch record's per-step residuals are one entry, keyed
+        ``("body", record index)`` like the interpreter's store: their bytes in all
+        (`loop_residual_bytes`: one step's × the trip count, a carry saved as a step's
+        input and the previous step's output once, nested loops multiplied; a cond's
+        branches summed, the union a traced program holds). Under `save()`; a policy
+        can keep more under ``jax.jit`` (carries stacked twice) or less (compress).
+        """
         const_ids = {v.id for v, _ in self.consts}
         kept, _ = self.residual_keys()
-        return {k: v.nbytes for k, v in kept.items() if k not in const_ids}
+        out = {k: v.nbytes for k, v in kept.items() if k not in const_ids}
+        for rec in self.records:
+            if rec.bodies and rec.in_backward:
+                n = loop_residual_bytes(rec)
+                if n:
+                    out[("body", rec.index)] = n
+        return out
 
     @property
     def fallback_records(self) -> tuple[Record, ...]:
@@ -352,6 +377,79 @@ class Tape:
         from tapegrad._display import tape_html
 
         return tape_html(self)
+
+
+def step_residual_vars(rec: Record, branch: int = 0) -> dict[Any, int]:
+    """The residuals one step of a loop/branch record's body ``branch`` packs, and their
+    bytes: the body's `Tape.residual_vars` less the values the record keeps once for all
+    steps (`tapegrad._loops.forwarded_ids`: a scan's consts and scanned slices, a cond's
+    operands). A nested loop is one entry with its bytes over all its own steps."""
+    from tapegrad._loops import forwarded_ids
+
+    fwd = forwarded_ids(rec)
+    return {k: n for k, n in rec.bodies[branch].residual_vars().items() if k not in fwd}
+
+
+def step_residual_bytes(rec: Record) -> int:
+    """Bytes of one step of a loop/branch record's per-step residuals (a cond: the sum
+    over its branches, what a traced ``lax.switch`` keeps; eagerly only the branch
+    taken is kept, which `tg.memory_report` measures)."""
+    if not rec.bodies or not rec.in_backward:
+        return 0
+    return sum(sum(step_residual_vars(rec, b).values()) for b in range(len(rec.bodies)))
+
+
+@dataclass(frozen=True, slots=True)
+class LoopBytes:
+    """What a loop/branch record keeps of its bodies' residuals, as `save()` keeps them.
+
+    ``step`` bytes per step, of which ``shared`` are carries the step saves as its input
+    that the previous step saved as its output (stored once: only the first step's input
+    is extra); ``steps`` steps keep their residuals (the trip count; a checkpointed scan's
+    remainder steps) and ``checkpoints`` carries of ``carry`` bytes are kept besides
+    (a checkpointed scan's carry at each full segment's start). A cond: one run of the
+    union of its branches.
+    """
+
+    step: int
+    shared: int = 0
+    steps: int = 1
+    checkpoints: int = 0
+    carry: int = 0
+
+    @property
+    def total(self) -> int:
+        kept = self.steps * (self.step - self.shared) + (self.shared if self.steps else 0)
+        return kept + self.checkpoints * self.carry
+
+
+def loop_bytes(rec: Record) -> LoopBytes:
+    """`LoopBytes` of a loop/branch record (all zero for another record)."""
+    step = step_residual_bytes(rec)
+    if rec.primitive != "scan" or not step and not rec.schedule:
+        return LoopBytes(step)
+    from tapegrad._loops import _carry_pairs
+
+    nc, nk = rec.params["num_consts"], rec.params["num_carry"]
+    body = rec.bodies[0]
+    kept = step_residual_vars(rec)
+    shared = sum(kept[k_in] for k_in, _, _ in _carry_pairs(rec, kept))
+    T = rec.trip_count
+    if rec.schedule:  # carries every `schedule` steps, the remainder's residuals as usual
+        n = T // rec.schedule
+        carry = sum(v.nbytes for v in body.inputs[nc : nc + nk])
+        return LoopBytes(step, shared, T - n * rec.schedule, n, carry)
+    return LoopBytes(step, shared, T)
+
+
+def loop_residual_bytes(rec: Record) -> int:
+    """Bytes of a loop/branch record's per-step residuals over all its steps, as `save()`
+    keeps them: `step_residual_bytes` × `Record.trip_count`, less the carries a step saves
+    that the previous step saved as its output (kept once), nested loops multiplied; a
+    checkpointed scan (`Record.schedule`): its carry checkpoints and remainder steps."""
+    if not rec.bodies or not rec.in_backward:
+        return 0
+    return loop_bytes(rec).total
 
 
 def frozen_params(params: dict) -> Mapping[str, Any]:

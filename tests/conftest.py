@@ -10,6 +10,7 @@ Every oracle test compares tapegrad against an independent answer: `jax.grad`
 * `tols(dtype)`: the default (rtol, atol) for a dtype.
 * `rand(shape, dtype, low, high, seed)`: deterministic uniform inputs.
 * fixture `x64`: float64 enabled inside one test, the previous setting restored.
+* `live_bytes_by_kind()`: bytes of the live jax arrays per memory kind (after gc).
 
 Default tolerances: float64 rtol 1e-10 / atol 1e-12; float32 rtol 1e-5 /
 atol 1e-6; bfloat16/float16 looser. A test that loosens them says why.
@@ -23,6 +24,7 @@ texts are printed at the end of the run (also under pytest-xdist).
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -212,6 +214,17 @@ def tanh_mlp(ws, x):
     for w in ws:
         x = jnp.tanh(x @ w)
     return jnp.mean(x**2)
+
+
+def live_bytes_by_kind() -> dict[str, int]:
+    """Bytes of every live jax array, by memory kind (``device``, ``pinned_host``, ...),
+    after a garbage collection: what a test compares memory reports against."""
+    gc.collect()
+    out: dict[str, int] = {}
+    for a in jax.live_arrays():
+        k = a.sharding.memory_kind
+        out[k] = out.get(k, 0) + a.nbytes
+    return out
 
 
 def random_like(tree, seed: int = 0):

@@ -135,7 +135,7 @@ def check_structure(doc: Doc, table_cls: str) -> dict:
     for d in doc.find("details"):
         assert d["children"][0]["tag"] == "summary"
     for tr in rows_of(table)[1:]:
-        if "tg-fold" in tr["attrs"].get("class", ""):
+        if {"tg-fold", "tg-body"} & set(tr["attrs"].get("class", "").split()):
             assert tr["children"][0]["attrs"]["colspan"] == str(n_cols)
         else:
             assert len(tr["children"]) == n_cols
@@ -156,6 +156,8 @@ def expand(doc: Doc, table, n_items: int) -> list[tuple[int, dict]]:
     stand for each repeat; their ``#`` is the first repeat's); checks the cover."""
     out, pos = [], 0
     for tr in rows_of(table)[1:]:
+        if "tg-body" in tr["attrs"].get("class", ""):
+            continue  # a loop/branch body under the row before: not one of the items
         if "tg-fold" not in tr["attrs"].get("class", ""):
             out.append((pos, tr))
             pos += 1
@@ -285,6 +287,169 @@ def test_str_folds_a_2000_record_tape(deep, deep_tape):
     lines = _check_width(str(rep))
     assert len(lines) < 30 and "offload" in lines[0]
     assert f"{rep.residual_bytes:,}" in lines[1] and f"{rep.peak_bytes:,}" in lines[2]
+
+
+# ------------------------------------------------------------------ loops and branches
+
+STEPS = 1000
+
+
+def rnn_cond(w, u, h0, xs):
+    def step(h, x):
+        z = h @ w + x @ u
+        h = lax.cond(jnp.sum(z) > 0, lambda z: jnp.tanh(z), lambda z: jnp.sin(z) * 0.5, z)
+        return h, jnp.sum(h)
+
+    h, ys = lax.scan(step, h0, xs)
+    return jnp.sum(h**2) + jnp.sum(ys)
+
+
+@pytest.fixture(scope="module")
+def rnn_args():
+    k = jax.random.split(jax.random.key(1), 4)
+    return (
+        jax.random.normal(k[0], (4, 4)) / 2,
+        jax.random.normal(k[1], (3, 4)),
+        jnp.zeros((2, 4)),
+        jax.random.normal(k[3], (STEPS, 2, 3)),
+    )
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip(" "))
+
+
+def test_str_shows_loop_and_branch_bodies_indented(rnn_args):
+    from tapegrad._tape import loop_residual_bytes
+
+    tape = tg.trace(rnn_cond, argnums=(0, 1))(*rnn_args)
+    lines = _check_width(str(tape))
+    (scan,) = [r for r in tape.records if r.bodies]
+    (cond,) = [r for r in scan.bodies[0].records if r.bodies]
+    k = next(i for i, ln in enumerate(lines) if "= scan[" in ln)
+    assert "scan[length=1000" in lines[k] and "jaxpr" not in lines[k]
+    assert lines[k + 1].lstrip().startswith(f"scan ×{STEPS:,} body: {{ lambda")
+    top = _indent(lines[k])
+    assert _indent(lines[k + 1]) > top
+    # the body's records, one per line, indented under the header, saves marked per step
+    end = next(
+        i for i in range(k + 2, len(lines)) if _indent(lines[i]) <= _indent(lines[k + 1]) + 2
+    )
+    assert lines[end].strip().startswith("in (k l) }")  # the body's footer
+    body = lines[k + 2 : end]
+    body_rec = [ln for ln in body if " = " in ln and _indent(ln) == _indent(lines[k + 2])]
+    assert [ln.split(" = ")[1].split("[")[0].split(" ")[0] for ln in body_rec] == [
+        r.primitive for r in scan.bodies[0].records
+    ]
+    assert _indent(lines[k + 2]) > _indent(lines[k + 1])
+    assert any("saves/step[in0,in1]" in ln for ln in body_rec)  # the cond: index, operand
+    assert all("saves[" not in ln for ln in body_rec)
+    # the cond's branches nest one level further, each with its own records and bytes
+    heads = [i for i, ln in enumerate(lines) if "cond branch" in ln]
+    assert [lines[i].lstrip()[:13] for i in heads] == ["cond branch 0", "cond branch 1"]
+    cond_line = next(ln for ln in body_rec if "= cond[branches=2] " in ln)
+    assert all(_indent(lines[i]) > _indent(cond_line) for i in heads)
+    assert "tanh" in lines[heads[1] + 1] and "saves/step[out0]" in lines[heads[1] + 1]
+    assert _indent(lines[heads[1] + 1]) > _indent(lines[heads[1]])
+    assert lines[heads[1] + 2].strip().startswith("in (") and "32 B per step" in lines[heads[1] + 2]
+    step = loop_residual_bytes(scan) // STEPS
+    assert any(f"{step:,} B per step × {STEPS:,} = {step * STEPS:,} B" in ln for ln in lines)
+    # the footer counts the loop's bytes, all steps
+    assert f"{tape.saved_bytes:,} bytes saved" in lines[-1]
+    assert tape.saved_bytes > step * STEPS > 0
+    assert lines[-1].startswith(f"  # {len(tape.records)} records (+")
+
+
+def test_str_folds_repeated_records_inside_a_body():
+    def f(w, xs):
+        def step(h, x):
+            for _ in range(12):
+                h = jnp.tanh(h @ w) + x  # L-LOOP-LAYER
+            return h, None
+
+        h, _ = lax.scan(step, jnp.zeros((2, 4)), xs)
+        return jnp.sum(h)
+
+    tape = tg.trace(f)(jnp.eye(4), jnp.ones((50, 2, 4)))
+    lines = _check_width(str(tape))
+    assert len(lines) < 30
+    (fold,) = [ln for ln in lines if "⋮" in ln]
+    assert _indent(fold) > 4 and fold.endswith("bytes saved per step")
+    head = next(ln for ln in lines if "scan ×50 body" in ln)
+    assert _indent(fold) > _indent(head)
+
+
+def test_tape_html_nests_bodies_and_escapes(rnn_args):
+    from tapegrad._loops import forwarded_ids
+    from tapegrad._tape import loop_residual_bytes
+
+    tape = tg.trace(rnn_cond, argnums=(0, 1))(*rnn_args)
+    out = tape._repr_html_()
+    doc = Doc(out)
+    table = check_structure(doc, "tapegrad-tape")
+    (scan,) = [r for r in tape.records if r.bodies]
+    top_bodies = [tr for tr in rows_of(table) if "tg-body" in tr["attrs"].get("class", "")]
+    assert len(top_bodies) == 1 and top_bodies[0]["attrs"]["data-trip-count"] == str(STEPS)
+    (inner,) = doc.find("table", "tg-body", top_bodies[0])[:1]
+    assert "scan ×1,000 body" in text(doc.find("summary", node=top_bodies[0])[0])
+    rows = rows_of(inner)
+    plain = [tr for tr in rows if "tg-body" not in tr["attrs"].get("class", "")]
+    assert [text(tr["children"][1]) for tr in plain] == [
+        r.primitive for r in scan.bodies[0].records
+    ]
+    branches = [tr for tr in rows if "tg-body" in tr["attrs"].get("class", "")]
+    assert [tr["attrs"]["data-branch"] for tr in branches] == ["0", "1"]
+    assert "cond branch 1" in text(branches[1])
+    # the branch functions are lambdas: their source escaped, at every depth
+    assert "&lt;lambda&gt;" in out and "<lambda>" not in out
+    for tr in doc.find("tr"):  # every row of every nested table is well formed
+        assert tr["parent"]["tag"] in ("thead", "tbody")
+    t = totals(doc)
+    assert t["saved_bytes"] == tape.saved_bytes
+    assert t["loop_bytes"] == loop_residual_bytes(scan)
+    assert t["records"] == len(tape.records)
+    assert t["body_records"] == len(scan.bodies[0].records) + sum(
+        len(b.records) for r in scan.bodies[0].records for b in r.bodies
+    )
+    step_cells = [int(tr["children"][5]["attrs"]["data-v"]) for tr in plain]
+    # per step: a record's saves but those the scan keeps once (w, u, the x slice), and a
+    # nested cond's branches (one run each) on top; they add up to the body's summary
+    fwd = forwarded_ids(scan)
+    want = [
+        sum(s.nbytes for s in r.saves if r.residual_key(s) not in fwd)
+        + (loop_residual_bytes(r) if r.bodies else 0)
+        for r in scan.bodies[0].records
+    ]
+    assert step_cells == want
+    assert top_bodies[0]["attrs"]["data-step-bytes"] == str(loop_residual_bytes(scan) // STEPS)
+
+
+def test_memory_report_shows_loop_and_body_rows(rnn_args):
+    rep = tg.memory_report(rnn_cond, argnums=(0, 1), policy=P.offload())(*rnn_args)
+    lines = _check_width(str(rep))
+    k = next(i for i, ln in enumerate(lines) if f"scan ×{STEPS:,}" in ln)
+    assert lines[k + 1].strip().startswith(f"scan ×{STEPS:,} body:")
+    (row,) = [r for r in rep.records if r.body]
+    body = [ln for ln in lines[k + 2 :] if "B/step" in ln]
+    assert len(body) == sum(1 for r in row.walk()) - 1
+    for r in row.walk():
+        if r.depth:  # per step and in all, for every body row
+            assert any(
+                f"{r.host_bytes:,}" in ln and f"{r.step_bytes:,} B/step" in ln for ln in body
+            )
+    assert any(ln.strip().startswith("cond branch") for ln in lines)
+
+    out = rep._repr_html_()
+    doc = Doc(out)
+    table = check_structure(doc, "tapegrad-memory")
+    t = totals(doc)
+    assert t["host_bytes"] == sum(r.host_bytes for r in rep.records) == rep.host_bytes
+    assert t["loop_bytes"] == row.body_bytes > 0
+    (tr,) = [x for x in rows_of(table) if "tg-body" in x["attrs"].get("class", "")]
+    assert tr["attrs"]["data-runs"] == str(STEPS)
+    nested = [x for x in doc.find("tr", node=tr) if "tg-body" in x["attrs"].get("class", "")]
+    assert nested and "cond branch" in text(nested[0])
+    assert "&lt;lambda&gt;" in out and "<lambda>" not in out
 
 
 # ------------------------------------------------------------------ plot

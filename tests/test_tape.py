@@ -1,6 +1,7 @@
 """The tape as data: printing, HTML rendering, immutability, which jaxpr equations become records.
 
-Nested ``jit`` calls are inlined; ``custom_jvp_call``, ``custom_vjp_call``,
+Nested ``jit`` calls are inlined; ``custom_jvp_call`` (as a ``custom_jvp_rule`` record,
+differentiated by its linearized rule), ``custom_vjp_call``,
 ``cond``, ``scan`` and ``while`` stay records of their own; ``jax.checkpoint``
 is inlined as a checkpoint region whose records are recomputed in backward.
 """
@@ -47,13 +48,16 @@ def tape():
 
 
 def _body_lines(tape) -> list[str]:
+    """The lines of the tape's own records: one each (a loop or branch record's body is
+    printed under it, indented further, and is not among them)."""
     lines = str(tape).splitlines()
     n = len(tape.records)
     assert lines[0].lstrip().startswith("{ lambda")
-    assert lines[n + 1].lstrip().startswith("in ("), lines[n + 1]
-    assert f"{n} records" in lines[n + 2]
-    assert len(lines) == n + 3
-    return lines[1 : n + 1]
+    assert lines[-2].startswith("  in ("), lines[-2]
+    assert f"{n} records" in lines[-1]
+    own = [ln for ln in lines[1:-2] if len(ln) - len(ln.lstrip(" ")) == 4]
+    assert len(own) == n
+    return own
 
 
 # ---------------------------------------------------------------- printing
@@ -274,7 +278,7 @@ def control_tape():
 @pytest.mark.parametrize(
     "prim, marker",
     [
-        ("custom_jvp_call", "L-CUSTOM"),
+        ("custom_jvp_rule", "L-CUSTOM"),
         ("custom_vjp_call", "L-CUSTOM"),
         ("cond", "L-COND"),
         ("scan", "L-SCAN"),
@@ -291,7 +295,7 @@ def test_higher_order_primitives_are_records_of_their_own(control_tape, prim, ma
 
 def test_higher_order_records_print_one_line_each(control_tape):
     body = _body_lines(control_tape)
-    for name in ("custom_jvp_call", "custom_vjp_call", "cond", "scan", "while"):
+    for name in ("custom_jvp_rule", "custom_vjp_call", "cond", "scan", "while"):
         assert sum(f"= {name}[" in line for line in body) == 1, name
 
 

@@ -4,7 +4,6 @@ saved-tensors-hooks semantics of the seeds."""
 
 from __future__ import annotations
 
-import gc
 import threading
 
 import chex
@@ -12,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import live_bytes_by_kind
 
 import tapegrad as tg
 from tapegrad import policies as P
@@ -74,25 +74,16 @@ def test_compress_gradient_within_tolerance(model, policy, tol):
         assert rel > 0  # compression really happened
 
 
-def _live_by_kind():
-    gc.collect()
-    out: dict[str, int] = {}
-    for a in jax.live_arrays():
-        k = a.sharding.memory_kind
-        out[k] = out.get(k, 0) + a.nbytes
-    return out
-
-
 @pytest.mark.parametrize(
     "policy", [P.save(), P.offload(), P.compress(jnp.bfloat16), P.compress("int8")], ids=repr
 )
 def test_memory_report_agrees_with_live_arrays(model, policy):
     ws, x = model
     rep = tg.memory_report(mlp, argnums=(0, 1), policy=policy)(ws, x)
-    before = _live_by_kind()
+    before = live_bytes_by_kind()
     out, vjp_fn = tg.vjp(mlp, ws, x, policy=policy)
     jax.block_until_ready(out)
-    after = _live_by_kind()
+    after = live_bytes_by_kind()
     grown = {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)}
     grown["device"] -= out.nbytes
     # Residuals that are the inputs themselves were alive before the call.
