@@ -164,6 +164,25 @@ class Budget:
     def unpack(self, packed, info):
         return self.base.unpack(packed, info)
 
+    def loop_segment(self, rec: Record) -> int:
+        """A checkpoint schedule for a scan whose per-step residuals, over all its steps,
+        do not fit the budget: keep the carry every k steps, k = √(T·carry/step), which
+        minimises the (T/k)·carry + k·step bytes held, for one extra forward of the loop.
+        (Loops are scheduled on their own: the tape plan does not yet trade a loop's
+        bytes against the records around it.)"""
+        from tapegrad._tape import step_residual_bytes
+
+        T = rec.trip_count
+        if rec.primitive != "scan" or rec.params.get("reverse") or T < 4:
+            return 0
+        step = step_residual_bytes(rec)
+        if step * T <= self.bytes or step == 0:
+            return 0
+        nc, nk = rec.params["num_consts"], rec.params["num_carry"]
+        carry = sum(v.nbytes for v in rec.bodies[0].inputs[nc : nc + nk]) or 1
+        k = max(1, round(math.sqrt(T * carry / step)))
+        return k if k < T else 0
+
     def plan(self, tape: Tape, fixed: Sequence[str | None]) -> list[str]:
         """Decisions for every record; ``fixed[i]`` is a binding decision or None.
 

@@ -193,3 +193,19 @@ def test_carry_saved_once_per_step():
     per_step = B * D * 4
     assert held["device"] <= 50 * per_step * 1.05 + 4096, held["device"] / per_step
     np.testing.assert_allclose(res[0], rnn(*args), rtol=2e-5)
+
+
+def test_budget_schedules_a_scan_that_does_not_fit():
+    T = 400
+    args = rnn_args(T)
+    step = B * D * 4
+    pol = tg.policies.budget(bytes=100 * step)
+    (scan,) = [r for r in tg.trace(rnn, policy=pol)(*args).records if r.primitive == "scan"]
+    assert 0 < scan.schedule < T
+    held, (out, vjp_fn) = _held(lambda: tg.vjp(rnn, *args, policy=pol))
+    assert held["device"] <= 100 * step, held["device"] / step
+    got = vjp_fn(jnp.float32(1.0))
+    assert_trees_close(got, jax.vjp(rnn, *args)[1](jnp.float32(1.0)), rtol=2e-5, atol=1e-6)
+    # a budget that holds every step keeps every step
+    roomy = tg.policies.budget(bytes=10 * T * step)
+    assert tg.trace(rnn, policy=roomy)(*args).records[0].schedule == 0
