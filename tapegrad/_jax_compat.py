@@ -21,6 +21,7 @@ Var = jex_core.Var
 ClosedJaxpr = jex_core.ClosedJaxpr
 Jaxpr = jex_core.Jaxpr
 Primitive = jex_core.Primitive
+new_jaxpr_eqn = jex_core.new_jaxpr_eqn
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 # Make jax (and us) treat tapegrad's own frames as library frames, so the
@@ -154,6 +155,47 @@ def custom_vjp_residual_avals(params: dict, active: list[bool]) -> tuple[list, A
     num_res_out = len(fwd_jaxpr.outvars) - len(params["call_jaxpr"].out_avals)
     outs = [v.aval for v in fwd_jaxpr.outvars][:num_res_out]
     return outs, input_fwds
+
+
+def custom_jvp_jaxpr(params: dict, in_zeros: list[bool]) -> tuple[Jaxpr, list, list[bool]]:
+    """The JVP rule of a ``custom_jvp_call``, traced: ``(jaxpr, consts, out_zeros)``.
+
+    The jaxpr takes the call's primal operands (not its ``num_consts`` leading
+    constants) and then one tangent per primal whose ``in_zeros`` entry is False;
+    it returns the primal outputs and one tangent per output whose ``out_zeros``
+    entry is False. jax's own JVP of the call uses the same thunk
+    (``lift_jvp`` in jax/_src/custom_derivatives.py).
+    """
+    jaxpr, consts, out_zeros = params["jvp_jaxpr_fun"].call_wrapped(*in_zeros)
+    return jaxpr, list(consts), list(out_zeros)
+
+
+def bind_custom_jvp_call(args, params: dict) -> list:
+    """Apply a ``custom_jvp_call`` equation's primitive to ``args``."""
+    prim = custom_jvp_call_p
+    return list(prim.bind(*args, **prim.get_bind_params(params)))
+
+
+def dce_jaxpr(jaxpr: Jaxpr, used_outputs: list[bool]) -> tuple[Jaxpr, list[bool]]:
+    """jax's dead-code elimination: ``(jaxpr keeping used_outputs, used inputs)``.
+
+    It looks inside calls (a ``pjit`` whose outputs are partly used is pruned),
+    which an equation-level pass cannot.
+    """
+    from jax._src.interpreters import partial_eval as pe  # no public DCE
+
+    new, used = pe.dce_jaxpr(jaxpr, list(used_outputs), instantiate=False)
+    return new, list(used)
+
+
+def new_jaxpr(constvars, invars, outvars, eqns, name: str) -> Jaxpr:
+    """A jaxpr assembled from existing equations (which keep their variables)."""
+    debug = jex_core.DebugInfo("tapegrad", name, None, None)
+    return Jaxpr(constvars, invars, outvars, eqns, debug_info=debug)
+
+
+def is_drop_var(v: Any) -> bool:
+    return isinstance(v, jex_core.DropVar)
 
 
 def _is_array_like(x: Any) -> bool:

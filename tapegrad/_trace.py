@@ -25,6 +25,7 @@ from tapegrad._loops import outer_saves
 from tapegrad._tape import Lit, Record, Region, Saved, Tape, Var, as_dtype
 from tapegrad.errors import ReverseModeError
 from tapegrad.rules import FALLBACK, NONDIFF, WHILE_ERROR, lookup
+from tapegrad.rules.custom_jvp import expand_custom_jvp
 
 __all__ = ["trace_flat", "is_differentiable_dtype"]
 
@@ -96,6 +97,13 @@ class _Builder:
                 for v, o in zip(eqn.outvars, outs):
                     env[v] = o
                 continue
+            if name == "custom_jvp_call":  # differentiated by its rule, linearized
+                sub = expand_custom_jvp(eqn.params, [v.aval for v in eqn.invars], eqn.source_info)
+                if sub is not None:
+                    outs = self.convert(sub.jaxpr, sub.consts, ins, region)
+                    for v, o in zip(eqn.outvars, outs):
+                        env[v] = o
+                    continue
             special = name in _SPECIAL
             remat = compat.remat_parts(name, eqn.params) if special else None
             if remat is not None:

@@ -1,6 +1,14 @@
 """VJP rules, keyed by primitive name, grouped by family."""
 
-from tapegrad.rules import conv, elementwise, indexing, linalg, reductions, structural  # noqa: F401  (register rules)
+from tapegrad.rules import (  # noqa: F401  (register rules)
+    conv,
+    custom_jvp,
+    elementwise,
+    indexing,
+    linalg,
+    reductions,
+    structural,
+)
 from tapegrad.rules._registry import (
     NONDIFF,
     RULES,

@@ -3,9 +3,11 @@
 * The fallback saves a record's inputs and, in backward, takes `jax.vjp` of
   that single primitive: nothing jax can differentiate fails. It is used for
   the long tail and marked ``rule="fallback"`` on the record.
-* ``custom_jvp_call`` is differentiated the same way, which is what honours
-  the user's JVP rule: `jax.vjp` linearizes the custom rule and transposes it,
-  never the primal implementation.
+* A ``custom_jvp_call`` is normally replaced at trace time by a ``custom_jvp_rule``
+  record (rules/custom_jvp.py: its JVP rule linearized and transposed once, keeping
+  only the rule's residuals). One whose rule cannot be split that way is
+  differentiated like the fallback, which still honours the user's JVP rule:
+  `jax.vjp` linearizes the custom rule and transposes it, never the primal.
 * ``custom_vjp_call`` runs the user's ``fwd`` in forward, keeps its residuals
   (through the residual policy, as ``aux`` values) and calls the user's ``bwd``.
 * ``remat2`` (``jax.checkpoint``) saves only its inputs and recomputes its body

@@ -1,0 +1,439 @@
+"""``custom_jvp`` calls, differentiated by their JVP rule linearized and transposed.
+
+jax differentiates a ``custom_jvp`` function (``jax.nn.relu``, ``jax.nn.softplus``,
+a user's ``@jax.custom_jvp``) in reverse mode by linearizing its JVP rule and
+transposing the linear part: the rule, never the primal implementation, defines
+the derivative. tapegrad does the same once, at trace time:
+
+* the rule is traced (``jvp(primals, tangents)``) and split by data dependence into
+  a *primal part* (every equation that does not read a tangent: the outputs and
+  the values the tangents are multiplied by, masked with, ...) and a *linear part*
+  (the equations that read a tangent);
+* the linear part is transposed (`jax.linear_transpose`) into a jaxpr from the
+  residuals and output cotangents to the input cotangents;
+* the call becomes one ``custom_jvp_rule`` record whose forward runs the primal part
+  and keeps its residuals, and whose backward runs the transposed jaxpr.
+
+Residuals are exactly what the linear part reads: ``jax.nn.relu`` keeps a bool mask
+(``x > 0``), not ``x``. A residual that is one of the call's inputs or outputs is
+saved as that input/output (``in``/``out``), shared with every other record that
+saves the same value; the others are derived values (``aux``). A residual that does
+not depend on the inputs (``relu``'s zeros) is recomputed in backward, not kept.
+All of them go through the residual policy like any other.
+
+The record's forward evaluates the primal part with ordinary jax operations, so an
+outer transformation (``jax.jit``, ``jax.vmap``, ``tg.grad`` of ``tg.grad``) sees the
+rule's own computation, as it does under jax.
+
+A call whose rule cannot be split this way (a rule closing over a traced value, an
+effect, a tangent part jax cannot transpose) keeps the generic ``custom_jvp`` rule
+of rules/control.py, which calls `jax.vjp` of the whole call in backward.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from tapegrad import _jax_compat as compat
+from tapegrad.rules._registry import Rule, defrule
+
+__all__ = ["expand_custom_jvp", "custom_jvp_rule_p"]
+
+Ref = tuple[str, int]
+
+
+# ---------------------------------------------------------------------------
+# The record's primitive
+
+
+class _TapeOnly(compat.Primitive):
+    """A primitive that exists only on tapes: binding it evaluates it directly.
+
+    The forward interpreter binds a record's primitive; under an outer trace
+    (``jax.jit``, ``tg.grad`` of ``tg.grad``) that must leave the jax operations it
+    stands for in the outer jaxpr, not an equation jax cannot interpret.
+    """
+
+    multiple_results = True
+
+    def __init__(self, name: str, impl):
+        super().__init__(name)
+        self._impl = impl
+
+    def bind(self, *args, **params):
+        return self._impl(*args, **params)
+
+
+def _call(*args, rule: Expansion, name: str):
+    # Not in backward: the call as jax wrote it (an outer differentiation still
+    # sees a custom_jvp_call and uses its rule).
+    return compat.bind_custom_jvp_call(args, rule.call_params)
+
+
+custom_jvp_rule_p = _TapeOnly("custom_jvp_rule", _call)
+
+
+# ---------------------------------------------------------------------------
+# What a record carries
+
+
+@dataclass(frozen=True, eq=False)
+class Linear:
+    """The transposed linear part of a rule: ``cts_in = lt(*residuals, *cts_out)``.
+
+    Shared by every trace of a call with the same structure (see `_LINEAR`), so its
+    compiled forms are reused from one ``tg.grad`` call to the next.
+    """
+
+    lt: Any  # ClosedJaxpr
+    n_res: int
+    tangent_of: tuple[int, ...]  # primal operand (after the consts) of each lt output
+    ct_of: tuple[int, ...]  # call output of each cotangent lt input
+
+
+@dataclass(frozen=True, eq=False)
+class Expansion:
+    """One call's split rule: its primal part and where each residual comes from."""
+
+    primal: Any  # ClosedJaxpr: primal operands -> (outputs, derived residuals)
+    refs: tuple[Ref, ...]  # per residual: ("in", i) / ("out", j) / ("aux", k)
+    linear: Linear
+    call_params: Any  # the custom_jvp_call's own params (bound when not in backward)
+
+    def __repr__(self) -> str:
+        return "…"
+
+
+def _name_of(params) -> str:
+    debug = getattr(params["call_jaxpr"].jaxpr, "debug_info", None)
+    return getattr(debug, "func_name", None) or "<custom_jvp>"
+
+
+# ---------------------------------------------------------------------------
+# Expansion (trace time)
+
+
+def expand_custom_jvp(params, in_avals: Sequence[Any], source_info: Any = None):
+    """A one-equation ``ClosedJaxpr`` standing for a ``custom_jvp_call`` equation,
+    whose record is differentiated by the call's JVP rule; None to keep the call.
+
+    ``params`` are the equation's params, ``in_avals`` its operands' avals.
+    """
+    nc = params["num_consts"]
+    primal_avals = list(in_avals[nc:])
+    diff = [_differentiable(a) for a in primal_avals]
+    out_avals = params["call_jaxpr"].out_avals
+    if not any(diff) or not any(_differentiable(a) for a in out_avals):
+        return None
+    if params["call_jaxpr"].effects:
+        return None
+    try:
+        jaxpr, consts, out_zeros = compat.custom_jvp_jaxpr(dict(params), [not d for d in diff])
+    except Exception:
+        # The rule fails to trace. jax would raise when differentiating; so does the
+        # generic rule, in backward, with jax's message.
+        return None
+    if jaxpr.effects or any(isinstance(c, jax.core.Tracer) for c in consts):
+        # A rule closing over a traced value cannot be evaluated outside its trace.
+        return None
+    try:
+        exp = _split(jaxpr, consts, out_zeros, nc, diff, len(out_avals))
+    except _Unsplittable:
+        return None
+    exp = Expansion(exp.primal, exp.refs, exp.linear, dict(params))
+    invars = [compat.Var(a) for a in in_avals]
+    outvars = [compat.Var(a) for a in out_avals]
+    eqn = compat.new_jaxpr_eqn(
+        invars,
+        outvars,
+        custom_jvp_rule_p,
+        {"name": _name_of(params), "rule": exp},
+        frozenset(),
+        source_info,
+    )
+    return compat.ClosedJaxpr(compat.new_jaxpr([], invars, outvars, [eqn], "custom_jvp_rule"), [])
+
+
+def _differentiable(aval) -> bool:
+    return bool(jnp.issubdtype(aval.dtype, jnp.inexact))
+
+
+class _Unsplittable(Exception):
+    pass
+
+
+def _flatten(jaxpr, env: dict, eqns: list) -> list:
+    """Append ``jaxpr``'s equations to ``eqns`` with nested jit calls inlined (so data
+    dependence is seen per primitive); returns its outputs. ``env`` maps its inputs."""
+
+    def read(v):
+        return v if isinstance(v, compat.Literal) else env[v]
+
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        if eqn.primitive.name in compat.INLINE_CALLS:
+            sub = compat.sub_jaxpr(eqn.params)
+            if sub is None or sub.consts:
+                raise _Unsplittable
+            sub_env = dict(zip(sub.jaxpr.invars, ins))
+            outs = _flatten(sub.jaxpr, sub_env, eqns)
+            for v, o in zip(eqn.outvars, outs):
+                env[v] = o
+            continue
+        outs = [compat.Var(v.aval) for v in eqn.outvars]
+        for v, o in zip(eqn.outvars, outs):
+            env[v] = o
+        eqns.append(eqn.replace(invars=ins, outvars=outs))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _split(jaxpr, consts, out_zeros, nc: int, diff: list[bool], n_out: int) -> Expansion:
+    """Split a traced JVP rule into its primal part and its transposed linear part."""
+    n_p = len(diff)
+    primals = [compat.Var(v.aval) for v in jaxpr.invars[:n_p]]
+    tangents = [compat.Var(v.aval) for v in jaxpr.invars[n_p:]]
+    constvars = [compat.Var(v.aval) for v in jaxpr.constvars]
+    env = dict(zip(jaxpr.invars, primals + tangents)) | dict(zip(jaxpr.constvars, constvars))
+    eqns: list = []
+    outs = _flatten(jaxpr, env, eqns)
+    pouts, touts = outs[:n_out], outs[n_out:]
+
+    # Data dependence: on a tangent (the linear part) and on a primal operand.
+    on_t = set(tangents)
+    on_x = set(primals)
+    linear, in_linear = [], set()
+    for eqn in eqns:
+        ins = [v for v in eqn.invars if not isinstance(v, compat.Literal)]
+        if any(v in on_t for v in ins):
+            on_t.update(eqn.outvars)
+            linear.append(eqn)
+            in_linear.add(id(eqn))
+        elif any(v in on_x for v in ins):
+            on_x.update(eqn.outvars)
+    if any(v in on_t for v in pouts if not isinstance(v, compat.Literal)):
+        raise _Unsplittable  # a primal output depends on a tangent: not a JVP rule
+
+    # The call outputs whose tangent the rule computes from the input tangents
+    # (a tangent that reads no tangent is zero, or the rule is not linear).
+    nz_out = [j for j, z in enumerate(out_zeros) if not z]
+    ct_of, lin_outs = [], []
+    for j, t in zip(nz_out, touts):
+        if not isinstance(t, compat.Literal) and t in on_t:
+            ct_of.append(j)
+            lin_outs.append(t)
+    if not lin_outs:
+        raise _Unsplittable
+
+    # Residuals: what the linear part reads that is not a tangent. One that does not
+    # depend on the primal operands (zeros, iota, a constant of the rule) is
+    # recomputed in backward instead of kept.
+    residuals: list = []
+    for eqn in linear:
+        for v in eqn.invars:
+            if isinstance(v, compat.Literal) or v in on_t or v in residuals:
+                continue
+            residuals.append(v)
+    kept = [v for v in residuals if v in on_x]
+    recomputed = [v for v in residuals if v not in on_x]
+
+    # Where each kept residual comes from: an operand, an output, or derived.
+    refs: list[Ref] = []
+    derived: list = []
+    for v in kept:
+        if v in primals:
+            refs.append(("in", nc + primals.index(v)))
+        elif any(v is p for p in pouts):
+            refs.append(("out", next(j for j, p in enumerate(pouts) if p is v)))
+        else:
+            refs.append(("aux", len(derived)))
+            derived.append(v)
+
+    const_vals = dict(zip(constvars, consts))
+    known = [e for e in eqns if id(e) not in in_linear]
+    primal_eqns = _needed(known, pouts + derived)
+    pconst = _used_consts(primal_eqns, pouts + derived, constvars)
+    primal = compat.ClosedJaxpr(
+        compat.new_jaxpr(pconst, primals, pouts + derived, primal_eqns, "custom_jvp primal"),
+        [const_vals[c] for c in pconst],
+    )
+
+    pre = _needed(known, recomputed)
+    lin_eqns = pre + linear
+    lconst = _used_consts(lin_eqns, lin_outs, constvars)
+    nz_in = [i for i, d in enumerate(diff) if d]
+    lin = compat.ClosedJaxpr(
+        compat.new_jaxpr(lconst, kept + tangents, lin_outs, lin_eqns, "custom_jvp linear"),
+        [const_vals[c] for c in lconst],
+    )
+    return Expansion(primal, tuple(refs), _linear_for(lin, len(kept), nz_in, ct_of), None)
+
+
+def _needed(eqns: list, wanted: list) -> list:
+    """The equations of ``eqns`` that ``wanted`` depends on, in order."""
+    need = {v for v in wanted if not isinstance(v, compat.Literal)}
+    keep = []
+    for eqn in reversed(eqns):
+        if any(v in need for v in eqn.outvars):
+            keep.append(eqn)
+            need.update(v for v in eqn.invars if not isinstance(v, compat.Literal))
+    keep.reverse()
+    return keep
+
+
+def _used_consts(eqns: list, outs: list, constvars: list) -> list:
+    used = {v for e in eqns for v in e.invars if not isinstance(v, compat.Literal)}
+    used |= {v for v in outs if not isinstance(v, compat.Literal)}
+    return [c for c in constvars if c in used]
+
+
+# Transposing costs a trace of the linear part (~1 ms); a training loop traces the
+# same calls on every step, so the result is kept per structure.
+_LINEAR: dict[Any, Linear] = {}
+_LINEAR_MAX = 512
+
+
+def _linear_for(lin, n_res: int, nz_in: list[int], ct_of: list[int]) -> Linear:
+    key = _structure_key(lin, n_res, nz_in, ct_of)
+    found = _LINEAR.get(key) if key is not None else None
+    if found is not None:
+        return found
+    out = Linear(_transpose(lin, n_res), n_res, tuple(nz_in), tuple(ct_of))
+    if key is not None:
+        while len(_LINEAR) >= _LINEAR_MAX:
+            try:  # oldest first out; another thread may have emptied it meanwhile
+                _LINEAR.pop(next(iter(_LINEAR)), None)
+            except (StopIteration, RuntimeError):
+                break
+        _LINEAR[key] = out
+    return out
+
+
+def _structure_key(lin, n_res: int, nz_in: list[int], ct_of: list[int]) -> Any:
+    from tapegrad._fused import _jaxpr_key, _NoKey  # a structural key of a jaxpr
+
+    try:
+        key = (_jaxpr_key(lin), n_res, tuple(nz_in), tuple(ct_of))
+        hash(key)
+    except (_NoKey, TypeError, ValueError):
+        return None
+    return key
+
+
+def _transpose(lin, n_res: int):
+    res_avals = [v.aval for v in lin.jaxpr.invars[:n_res]]
+    t_avals = [v.aval for v in lin.jaxpr.invars[n_res:]]
+    ct_avals = [v.aval.to_tangent_aval() for v in lin.jaxpr.outvars]
+
+    def lt(*args):
+        res, cts = args[:n_res], args[n_res:]
+        f = functools.partial(compat.eval_closed_jaxpr, lin, *res)
+        specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in t_avals]
+        return list(jax.linear_transpose(f, *specs)(list(cts)))
+
+    try:
+        return jax.make_jaxpr(lt)(*res_avals, *ct_avals)
+    except Exception as e:  # not linear in the tangents, or a primitive jax cannot transpose
+        raise _Unsplittable from e
+
+
+# ---------------------------------------------------------------------------
+# The rule
+
+
+def _active_tangents(exp: Expansion, active: Sequence[bool]) -> tuple[bool, ...]:
+    nc = exp.call_params["num_consts"]
+    return tuple(bool(active[nc + i]) for i in exp.linear.tangent_of)
+
+
+@functools.lru_cache(maxsize=1024)
+def _pruned(linear: Linear, act: tuple[bool, ...]) -> tuple[Any, tuple[int, ...], tuple[int, ...]]:
+    """The transposed jaxpr computing only the active inputs' cotangents:
+    ``(jaxpr, residuals it reads, cotangents it reads)``."""
+    jaxpr, used = compat.dce_jaxpr(linear.lt.jaxpr, list(act))
+    closed = compat.ClosedJaxpr(jaxpr, linear.lt.consts)
+    res = tuple(k for k in range(linear.n_res) if used[k])
+    cts = tuple(k for k in range(len(linear.ct_of)) if used[linear.n_res + k])
+    return closed, res, cts
+
+
+@functools.lru_cache(maxsize=1024)
+def _jitted(linear: Linear, act: tuple[bool, ...]):
+    return jax.jit(functools.partial(compat.eval_closed_jaxpr, _pruned(linear, act)[0]))
+
+
+def _saves(p, ins, outs, active) -> tuple[Ref, ...]:
+    exp: Expansion = p["rule"]
+    act = _active_tangents(exp, active)
+    if not any(act):
+        return ()
+    _, res, _ = _pruned(exp.linear, act)
+    return tuple(dict.fromkeys(exp.refs[k] for k in res))
+
+
+def _aux_avals(p, ins, outs, active) -> list:
+    exp: Expansion = p["rule"]
+    n_out = len(outs)
+    return [v.aval for v in exp.primal.jaxpr.outvars[n_out:]]
+
+
+def _derive(rec, ins):
+    exp: Expansion = rec.params["rule"]
+    nc = exp.call_params["num_consts"]
+    vals = compat.eval_closed_jaxpr(exp.primal, *ins[nc:])
+    # An output the rule gives as a literal comes back as a Python/numpy scalar.
+    vals = [
+        v if isinstance(v, (jax.Array, jax.core.Tracer)) else jnp.asarray(v, o.aval.dtype)
+        for v, o in zip(vals, exp.primal.jaxpr.outvars)
+    ]
+    n_out = len(rec.outputs)
+    return vals[:n_out], vals[n_out:]
+
+
+def _vjp(p, r, cts, active):
+    exp: Expansion = p["rule"]
+    lin = exp.linear
+    act = _active_tangents(exp, active)
+    out: list[Any] = [None] * len(active)
+    if not any(act):
+        return out
+    jaxpr, res_used, cts_used = _pruned(lin, act)
+    args = [_residual(r, exp.refs[k]) for k in res_used]
+    for k in cts_used:
+        j = lin.ct_of[k]
+        g = cts[j]
+        args.append(g if g is not None else jnp.zeros(r.out_avals[j].shape, r.out_avals[j].dtype))
+    if all(isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) for a in args):
+        in_cts = _jitted(lin, act)(*args)  # eagerly: one dispatch, compiled once per structure
+    else:
+        in_cts = compat.eval_closed_jaxpr(jaxpr, *args)
+    nc = exp.call_params["num_consts"]
+    for i, ct in zip((i for i, a in zip(lin.tangent_of, act) if a), in_cts):
+        out[nc + i] = ct
+    return out
+
+
+def _residual(r, ref: Ref):
+    kind, i = ref
+    if kind == "in":
+        return r.x[i]
+    if kind == "out":
+        return r.y[i]
+    return r.aux[i]
+
+
+defrule(
+    Rule(
+        "custom_jvp_rule",
+        _saves,
+        _vjp,
+        derive=_derive,
+        aux_avals=_aux_avals,
+        kind="linearized",
+    )
+)
