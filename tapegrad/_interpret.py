@@ -240,7 +240,9 @@ def forward(
 
     for rec in tape.records:
         ins = [env[i.id] if isinstance(i, Var) else i.value for i in rec.inputs]
-        if rec.bodies and rec.rule != "none" and rec.decision != "recompute":
+        # A loop keeps its per-step residuals (unless it is recomputed in backward).
+        loop = bool(rec.bodies) and rec.rule != "none" and rec.decision != "recompute"
+        if loop:
             outs, body_res = loop_forward(rec, ins, res, observer)
             derived: Any = None
             store[("body", rec.index)], refs[("body", rec.index)] = body_res, 1
@@ -272,7 +274,7 @@ def forward(
                 else:
                     store[key] = _pack(res, rec, key, s, value)
             res.keys[rec.index] = tuple(keys)
-        if rec.bodies and rec.rule != "none" and rec.decision != "recompute":
+        if loop:
             res.keys[rec.index] = res.keys.get(rec.index, ()) + (("body", rec.index),)
         for i in rec.inputs:
             if isinstance(i, Var) and last_use.get(i.id) == rec.index:

@@ -292,7 +292,7 @@ def _scan_backward(rec: Record, x: list, stored: Any, gs: list, retain: bool, ob
         j for j in range(n_xs) if body.inputs[nc + nk + j].id in fwd and x[nc + nk + j] is not None
     ]
     # Which carries carry a cotangent between steps, which consts accumulate one.
-    c_act = [body.active_inputs[nc + j] and _inexact(body.inputs[nc + j]) for j in range(nk)]
+    c_act = _active_carries(rec)
     k_act = [rec.active[j] for j in range(nc)]
     x_act = [rec.active[nc + nk + j] for j in range(n_xs)]
     y_ct = [j for j in range(len(rec.outputs) - nk) if gs[nk + j] is not None]
@@ -386,21 +386,29 @@ def _scan_backward(rec: Record, x: list, stored: Any, gs: list, retain: bool, ob
             observer.add_loop(rec, box["child"], codes[jnp.asarray(order, jnp.int32)], order)
         if not retain:
             stored.values = None
-    out: list[Any] = [None] * len(rec.inputs)
-    for j in range(nc):
-        out[j] = acc[j] if k_act[j] else None
-    for j in range(nk):
-        out[nc + j] = ct_c[j] if (rec.active[nc + j] and c_act[j]) else None
-    for j in range(n_xs):
-        out[nc + nk + j] = ct_xs[j] if x_act[j] else None
-    return out
+    return _input_cts(rec, acc, ct_c, c_act, ct_xs)
 
 
-def _inexact(var) -> bool:
-    try:
-        return bool(jnp.issubdtype(var.dtype, jnp.inexact))
-    except TypeError:
-        return False
+def _active_carries(rec: Record) -> list[bool]:
+    """Which carries pass a cotangent from step to step (active and differentiable)."""
+    from tapegrad._trace import is_differentiable_dtype
+
+    body, nc = rec.bodies[0], rec.params["num_consts"]
+    return [
+        body.active_inputs[nc + j] and is_differentiable_dtype(body.inputs[nc + j].dtype)
+        for j in range(rec.params["num_carry"])
+    ]
+
+
+def _input_cts(rec: Record, acc: list, ct_c: list, c_act: list, ct_xs: list) -> list:
+    """A scan record's input cotangents: accumulated consts, the initial carries', the
+    scanned inputs'; None for inputs that get none."""
+    nc, nk = rec.params["num_consts"], rec.params["num_carry"]
+    cts = [*acc, *ct_c, *ct_xs]
+    return [
+        c if rec.active[i] and (not nc <= i < nc + nk or c_act[i - nc]) else None
+        for i, c in enumerate(cts)
+    ]
 
 
 def _add(a, c):
@@ -602,7 +610,7 @@ def _segmented_backward(rec: Record, x: list, st: _Segmented, gs: list, retain: 
     nc, nk = p["num_consts"], p["num_carry"]
     n_xs = len(rec.inputs) - nc - nk
     k, n, r = _split(rec)
-    c_act = [body.active_inputs[nc + j] and _inexact(body.inputs[nc + j]) for j in range(nk)]
+    c_act = _active_carries(rec)
     consts, xs, g_ys = x[:nc], x[nc + nk :], gs[nk:]
     x_in = [rec.inputs[nc + nk + j] for j in range(n_xs)]
 
@@ -659,16 +667,12 @@ def _segmented_backward(rec: Record, x: list, st: _Segmented, gs: list, retain: 
         (ct_c, acc), ct_main = lax.scan(
             seg_bwd, (ct_c, acc), (st.checkpoints, xs_main, g_main), length=n, reverse=True
         )
-    out: list[Any] = [None] * len(rec.inputs)
-    for j in range(nc):
-        out[j] = acc[j] if rec.active[j] else None
-    for j in range(nk):
-        out[nc + j] = ct_c[j] if (rec.active[nc + j] and c_act[j]) else None
+    ct_xs: list[Any] = [None] * n_xs
     for j in range(n_xs):
         if rec.active[nc + nk + j]:
             seg_ct = ct_main[j]
             assert seg_ct is not None  # an active scanned input gets a cotangent per segment
             main = seg_ct.reshape((n * k,) + seg_ct.shape[2:])
             rem_ct = _ct_or_zeros(in_rem[nc + nk + j], (r,) + main.shape[1:], main.dtype)
-            out[nc + nk + j] = jnp.concatenate([main, rem_ct])
-    return out
+            ct_xs[j] = jnp.concatenate([main, rem_ct])
+    return _input_cts(rec, acc, ct_c, c_act, ct_xs)
