@@ -224,3 +224,82 @@ def explicit_sharding(var: Any) -> Any:
     if not any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
         return None
     return s
+
+
+# ----------------------------------------------------------- recording a concrete run
+# `tapegrad._record` builds a jaxpr from a concrete run, for functions with Python control
+# flow on values: a jax Trace whose tracers carry concrete values, as jax's JVPTrace does.
+Trace = _core.Trace
+Tracer = _core.Tracer
+set_current_trace = _core.set_current_trace
+take_current_trace = _core.take_current_trace
+typeof = _core.typeof
+to_concrete_value = _core.to_concrete_value
+
+# What jax raises when tracing needs a concrete value (`if x > 0`, `int(n)`, `range(n)`).
+NEEDS_CONCRETE = (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError)
+
+
+def _pe():
+    from jax._src.interpreters import partial_eval as pe  # no public tracing of a WrappedFun
+
+    return pe
+
+
+def convert_constvars_jaxpr(jaxpr: Jaxpr) -> Jaxpr:
+    return _pe().convert_constvars_jaxpr(jaxpr)
+
+
+def custom_jvp_thunk(jvp: Any, in_avals: list, record: Any) -> Any:
+    """A ``custom_jvp_call``'s ``jvp_jaxpr_fun``, as `DynamicJaxprTrace` builds it.
+
+    The rule is traced abstractly, like jax; where it needs concrete values (Python
+    control flow on the primals), ``record(fun, tangent_avals)`` records it from a run.
+    """
+    import jax.extend.linear_util as lu
+    from jax._src.util import partition_list
+
+    pe = _pe()
+    tangent_avals = [a.to_tangent_aval() for a in in_avals]
+
+    @pe._memoize
+    def thunk(*in_zeros):
+        for store in jvp.stores:
+            store and store.reset()
+        nz, zero_avals = partition_list(in_zeros, tangent_avals)
+        jvp_, out_zeros = pe._jvp_jaxpr_zeros(jvp, in_zeros, tuple(zero_avals))
+        try:
+            fun = jvp_.with_unknown_names()
+            jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(fun, (*in_avals, *nz))
+        except NEEDS_CONCRETE:
+            for store in jvp.stores:
+                store and store.reset()
+            jvp_, out_zeros = pe._jvp_jaxpr_zeros(jvp, in_zeros, tuple(zero_avals))
+            jaxpr, consts = record(jvp_.call_wrapped, nz)
+        return jaxpr, consts, out_zeros()
+
+    return lu.wrap_init(thunk, debug_info=jvp.debug_info)
+
+
+def custom_vjp_thunk(fwd: Any, in_avals: list, record: Any) -> Any:
+    """A ``custom_vjp_call``'s ``fwd_jaxpr_thunk``, as `DynamicJaxprTrace` builds it
+    (abstract tracing first, ``record(fun, ())`` from a run where that needs values)."""
+    import jax.extend.linear_util as lu
+
+    pe = _pe()
+
+    @pe._memoize
+    def thunk(*zeros):
+        for store in fwd.stores:
+            store and store.reset()
+        fwd_ = pe._interleave_fun(fwd.with_unknown_names(), zeros)
+        try:
+            jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(fwd_, in_avals)
+        except NEEDS_CONCRETE:
+            for store in fwd.stores:
+                store and store.reset()
+            fwd_ = pe._interleave_fun(fwd.with_unknown_names(), zeros)
+            jaxpr, consts = record(fwd_.call_wrapped, ())
+        return jaxpr, consts
+
+    return lu.wrap_init(thunk, debug_info=fwd.debug_info)

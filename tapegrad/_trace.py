@@ -22,6 +22,7 @@ import jax
 
 from tapegrad import _jax_compat as compat
 from tapegrad._loops import outer_saves
+from tapegrad._record import is_concrete, record_jaxpr
 from tapegrad._tape import Lit, Record, Region, Saved, Tape, Var, as_dtype
 from tapegrad.errors import ReverseModeError
 from tapegrad.rules import FALLBACK, NONDIFF, WHILE_ERROR, lookup
@@ -71,8 +72,15 @@ class _Builder:
         )
 
     def convert(
-        self, jaxpr, consts: Sequence[Any], in_vals: Sequence[Var | Lit], region: int | None = None
+        self,
+        jaxpr,
+        consts: Sequence[Any],
+        in_vals: Sequence[Var | Lit],
+        region: int | None = None,
+        caller: Any = None,
     ) -> list[Var | Lit]:
+        """Append ``jaxpr``'s equations as raws; ``caller`` is the source info of the call
+        being inlined, for equations whose own has no user frame (a cached ``jit`` trace)."""
         env: dict[Any, Var | Lit] = {}
         for v, c in zip(jaxpr.constvars, consts):
             var = self.new_var(v.aval)
@@ -90,17 +98,20 @@ class _Builder:
         for eqn in jaxpr.eqns:
             ins = [read(v) for v in eqn.invars]
             name = eqn.primitive.name
+            src = eqn.source_info
+            if caller is not None and compat.frame_of(src) is None:
+                src = caller
             if name in compat.INLINE_CALLS:
                 sub = compat.sub_jaxpr(eqn.params)
                 assert sub is not None  # every INLINE_CALLS primitive carries its callee
-                outs = self.convert(sub.jaxpr, sub.consts, ins, region)
+                outs = self.convert(sub.jaxpr, sub.consts, ins, region, src)
                 for v, o in zip(eqn.outvars, outs):
                     env[v] = o
                 continue
             if name == "custom_jvp_call":  # differentiated by its rule, linearized
                 sub = expand_custom_jvp(eqn.params, [v.aval for v in eqn.invars], eqn.source_info)
                 if sub is not None:
-                    outs = self.convert(sub.jaxpr, sub.consts, ins, region)
+                    outs = self.convert(sub.jaxpr, sub.consts, ins, region, src)
                     for v, o in zip(eqn.outvars, outs):
                         env[v] = o
                     continue
@@ -111,9 +122,8 @@ class _Builder:
                 # tagged with their region, whose policy decides what is recomputed.
                 body, policy, prevent_cse = remat
                 rid = len(self.regions)
-                src = frame_str(eqn.source_info)
-                self.regions.append(Region(rid, policy, prevent_cse, src))
-                outs = self.convert(body.jaxpr, body.consts, ins, rid)
+                self.regions.append(Region(rid, policy, prevent_cse, frame_str(src)))
+                outs = self.convert(body.jaxpr, body.consts, ins, rid, src)
                 for v, o in zip(eqn.outvars, outs):
                     env[v] = o
                 continue
@@ -124,9 +134,7 @@ class _Builder:
             outs = [self.new_var(v.aval) for v in eqn.outvars]
             for v, o in zip(eqn.outvars, outs):
                 env[v] = o
-            self.raws.append(
-                _Raw(eqn.primitive, name, eqn.params, ins, outs, eqn.source_info, region, names)
-            )
+            self.raws.append(_Raw(eqn.primitive, name, eqn.params, ins, outs, src, region, names))
         return [read(v) for v in jaxpr.outvars]
 
 
@@ -157,7 +165,14 @@ def trace_flat(
     ``active_inputs[i]`` says whether input i is differentiated;
     ``diff_outputs`` whether each output receives a cotangent (default: all).
     """
-    closed = jax.make_jaxpr(flat_fun)(*flat_args)
+    try:
+        closed = jax.make_jaxpr(flat_fun)(*flat_args)
+    except compat.NEEDS_CONCRETE:
+        # Python control flow on values (`if x > 0:`): jax.grad runs such a function on
+        # concrete values, and so do we when the inputs are concrete (not under jit).
+        if not is_concrete(flat_args):
+            raise
+        closed = record_jaxpr(flat_fun, flat_args)
     return tape_from_jaxpr(
         closed,
         active_inputs,
