@@ -21,7 +21,7 @@ from tapegrad import _anomaly
 from tapegrad import passes as _passes
 from tapegrad._checkpoint import plan_recompute
 from tapegrad._fused import run_grad
-from tapegrad._interpret import backward, forward
+from tapegrad._interpret import Residuals, backward, forward
 from tapegrad._tape import Tape
 from tapegrad._trace import trace_flat
 from tapegrad.policies._base import is_plain, resolve_policy
@@ -230,46 +230,107 @@ def vjp(
         flat_out = obs.forward_done(t.flat, flat_out)
     returned = t.restore(flat_out)
     out = tree_util.tree_unflatten(t.out_tree, returned[: t.n_out])
-    tape, flat_primals, in_tree, out_tree = t.tape, t.flat, t.in_tree, t.out_tree
-
-    def vjp_fn(ct):
-        ct_flat, ct_tree = tree_util.tree_flatten(ct)
-        if ct_tree != out_tree:
-            raise ValueError(  # ValueError, like jax
-                f"vjp_fn: the cotangent has tree structure {ct_tree}, but the function's output "
-                f"has {out_tree}. Pass a cotangent with the output's structure."
-            )
-        for c, o in zip(ct_flat, flat_out):
-            if np.shape(c) != np.shape(o):
-                raise ValueError(
-                    f"vjp_fn: cotangent shape {np.shape(c)} does not match the output's shape "
-                    f"{np.shape(o)}."
-                )
-            want = _dtype_of(o)
-            if jnp.issubdtype(want, jnp.inexact) and jax.typeof(c).dtype != want:
-                raise ValueError(
-                    f"vjp_fn: cotangent dtype {jax.typeof(c).dtype} does not match the output's "
-                    f"dtype {want}. Pass a cotangent of the output's dtype."
-                )
-        bobs = obs.fresh() if obs is not None else None
-        if bobs is not None:
-            bobs.cotangents_in(ct_flat)
-        in_cts = backward(
-            tape,
-            res,
-            list(ct_flat) + [None] * (len(flat_out) - t.n_out),
-            retain=retain_residuals,
-            observer=bobs,
-        )
-        if bobs is not None:
-            in_cts = bobs.backward_done(in_cts)
-        in_cts = [c if c is not None else _zero_cotangent(x) for c, x in zip(in_cts, flat_primals)]
-        return tuple(tree_util.tree_unflatten(in_tree, in_cts))
+    pullback = _Pullback(t, flat_out, obs, retain_residuals)
+    # Like jax.vjp's, vjp_fn is a jax.tree_util.Partial whose leaves are the residuals:
+    # it can be passed into a jitted function, returned from a custom_vjp fwd, nested.
+    vjp_fn = tree_util.Partial(pullback, _SavedValues(res))
 
     if has_aux:
         aux = tree_util.tree_unflatten(t.aux_tree, returned[t.n_out :])
         return out, vjp_fn, aux
     return out, vjp_fn
+
+
+class _SavedValues:
+    """One forward's `Residuals` as a pytree whose leaves are the packed values.
+
+    Called eagerly, `vjp_fn` hands backward this very object, which releases its values
+    as it goes (``retain_residuals=False``); passed through a transform, the values are
+    leaves and a copy is rebuilt around them."""
+
+    __slots__ = ("res",)
+
+    def __init__(self, res: Residuals):
+        self.res = res
+
+
+def _flatten_saved(s: _SavedValues):
+    keys = tuple(s.res.store)
+    return [s.res.store[k] for k in keys], (keys, _Frame(s.res))
+
+
+def _unflatten_saved(aux, values) -> _SavedValues:
+    keys, frame = aux
+    old = frame.res
+    res = Residuals(old.policy)
+    for name in Residuals.__slots__:
+        if name != "store":
+            setattr(res, name, getattr(old, name))
+    res.refs = dict(old.refs)
+    res.store = dict(zip(keys, values))
+    return _SavedValues(res)
+
+
+class _Frame:
+    """The residuals' bookkeeping (keys, refs, policy), compared by identity."""
+
+    __slots__ = ("res",)
+
+    def __init__(self, res: Residuals):
+        self.res = res
+
+
+tree_util.register_pytree_node(_SavedValues, _flatten_saved, _unflatten_saved)
+
+
+class _Pullback:
+    """The static part of `vjp`'s ``vjp_fn``: the tape and how to check a cotangent."""
+
+    def __init__(self, t: _Traced, flat_out: list, obs: Any, retain: bool):
+        self.tape, self.n_out, self.obs, self.retain = t.tape, t.n_out, obs, retain
+        self.in_tree, self.out_tree = t.in_tree, t.out_tree
+        self.out_avals = [(np.shape(o), _dtype_of(o)) for o in flat_out]
+        self.in_zeros = [_zero_cotangent_spec(x) for x in t.flat]
+
+    def __call__(self, saved: _SavedValues, ct: Any) -> tuple:
+        ct_flat, ct_tree = tree_util.tree_flatten(ct)
+        if ct_tree != self.out_tree:
+            raise ValueError(  # ValueError, like jax
+                f"vjp_fn: the cotangent has tree structure {ct_tree}, but the function's output "
+                f"has {self.out_tree}. Pass a cotangent with the output's structure."
+            )
+        for c, (shape, want) in zip(ct_flat, self.out_avals):
+            if np.shape(c) != shape:
+                raise ValueError(
+                    f"vjp_fn: cotangent shape {np.shape(c)} does not match the output's shape "
+                    f"{shape}."
+                )
+            if jnp.issubdtype(want, jnp.inexact) and jax.typeof(c).dtype != want:
+                raise ValueError(
+                    f"vjp_fn: cotangent dtype {jax.typeof(c).dtype} does not match the output's "
+                    f"dtype {want}. Pass a cotangent of the output's dtype."
+                )
+        bobs = self.obs.fresh() if self.obs is not None else None
+        if bobs is not None:
+            bobs.cotangents_in(ct_flat)
+        in_cts = backward(
+            self.tape,
+            saved.res,
+            list(ct_flat) + [None] * (len(self.out_avals) - self.n_out),
+            retain=self.retain,
+            observer=bobs,
+        )
+        if bobs is not None:
+            in_cts = bobs.backward_done(in_cts)
+        in_cts = [c if c is not None else z() for c, z in zip(in_cts, self.in_zeros)]
+        return tuple(tree_util.tree_unflatten(self.in_tree, in_cts))
+
+
+def _zero_cotangent_spec(x) -> Callable[[], Any]:
+    shape, dt = np.shape(x), _dtype_of(x)
+    if jnp.issubdtype(dt, jnp.inexact):
+        return lambda: jnp.zeros(shape, dt)
+    return lambda: np.zeros(shape, jax.dtypes.float0)
 
 
 def value_and_grad(
