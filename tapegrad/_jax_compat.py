@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 import jax
+import numpy as np
 from jax._src import core as _core
 from jax._src import source_info_util as _siu  # no public API for user frames
 from jax.extend import core as jex_core
@@ -145,7 +146,11 @@ def custom_vjp_forward(params: dict, args: list, active: list[bool]):
 def custom_vjp_backward(params: dict, res: list, cts: list) -> list:
     """Call a ``custom_vjp_call``'s user backward; symbolic zeros become None."""
     out = params["bwd"].call_wrapped(*res, *cts)
-    return [c if _is_array_like(c) else None for c in out]
+    # A Python or numpy scalar is a cotangent (``g * n`` with an int ``n``), as in jax.
+    return [
+        (jax.numpy.asarray(c) if isinstance(c, _SCALARS) else c) if _is_array_like(c) else None
+        for c in out
+    ]
 
 
 def custom_vjp_residual_avals(params: dict, active: list[bool]) -> tuple[list, Any]:
@@ -198,9 +203,12 @@ def is_drop_var(v: Any) -> bool:
     return isinstance(v, jex_core.DropVar)
 
 
+_SCALARS = (int, float, complex, np.generic)
+
+
 def _is_array_like(x: Any) -> bool:
     return (
-        isinstance(x, (jax.Array, _core.Tracer))
+        isinstance(x, (jax.Array, _core.Tracer, *_SCALARS))
         or hasattr(x, "__jax_array__")
         or (hasattr(x, "shape") and hasattr(x, "dtype") and not type(x).__name__.endswith("Zero"))
     )
