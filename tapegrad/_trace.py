@@ -172,6 +172,8 @@ def trace_flat(
         # concrete values, and so do we when the inputs are concrete (not under jit).
         if not is_concrete(flat_args):
             raise
+        closed = None
+    if closed is None:  # outside the except: an error while recording is the only one shown
         closed = record_jaxpr(flat_fun, flat_args)
     return tape_from_jaxpr(
         closed,
