@@ -2,6 +2,7 @@
 
 from tapegrad import errors, passes, policies, rules
 from tapegrad._anomaly import AnomalyMode, detect_anomaly, is_anomaly_enabled, set_detect_anomaly
+from tapegrad._caches import clear_caches
 from tapegrad._checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -40,6 +41,7 @@ __all__ = [
     "CheckpointPolicy",
     "checkpoint",
     "checkpoint_sequential",
+    "clear_caches",
     "name",
     "selective",
     "HookError",

@@ -9,11 +9,14 @@ Why this is sound (no jit-like staleness): the user's function is still traced
 on every call (`jax.make_jaxpr` runs, so a changed closure, global or Python
 branch shows up as a different tape), and the cache key holds everything the
 interpreters read from the tape: every record's primitive, parameters,
-operands (literal values included), shapes, dtypes, saves, active inputs and
-rule. Constants (closed-over arrays) are arguments of the compiled call, not
-baked into it; a sub-jaxpr (cond branch, scan body) is keyed by its structure
-and must have no constants. Two tapes with equal keys therefore run the same
-computation on the arguments given. A tape whose parameters are not plain
+operands, shapes, dtypes, saves, active inputs and rule. Values are never part
+of the key: constants (closed-over arrays) and literals (``x * lr`` with a Python
+float ``lr``, in the tape or in a loop's body) are arguments of the compiled call,
+not baked into it, so a learning-rate schedule reuses one program. A loop or
+branch record is keyed by its body tapes, which the interpreters run; any other
+sub-jaxpr (a scatter's combiner) is keyed by its structure, literal values
+included, and must have no constants. Two tapes with equal keys therefore run
+the same computation on the arguments given. A tape whose parameters are not plain
 values (callbacks, the user functions of a custom_jvp/custom_vjp or tg.hook,
 effects) has no key and runs the per-record path, so user Python code in
 backward keeps seeing concrete arrays once per call. (A field added to
@@ -27,21 +30,23 @@ third sighting, so one-off calls pay no compilation.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
-from tapegrad._tape import Tape, Var
+from tapegrad._caches import BoundedCache
+from tapegrad._tape import Lit, Record, Tape, Var
 from tapegrad.rules import FALLBACK, lookup
 
-__all__ = ["grad_key", "run_grad"]
+__all__ = ["grad_key", "run_grad", "value_key", "NoKey"]
 
 
-class _NoKey(Exception):
+class NoKey(Exception):
     """The tape holds something whose identity, not value, would key the cache."""
 
 
@@ -49,7 +54,8 @@ _PLAIN = (str, type(None))
 _NUMBERS = (int, bool)
 
 
-def _value_key(v: Any) -> Any:
+def value_key(v: Any) -> Any:
+    """A hashable key of a plain parameter value; raises `NoKey` when none is sound."""
     t = type(v)
     if t in _PLAIN:
         return v
@@ -62,18 +68,18 @@ def _value_key(v: Any) -> Any:
     if isinstance(v, np.generic):
         return (t, v.tobytes())
     if isinstance(v, tuple):  # namedtuples too (dimension numbers)
-        return (t, tuple(_value_key(x) for x in v))
+        return (t, tuple(value_key(x) for x in v))
     if t is complex:
         return (t, repr(v))
     if isinstance(v, (Jaxpr, ClosedJaxpr)):  # cond branches, scan bodies, scatter combiners
         return _jaxpr_key(v)
-    raise _NoKey
+    raise NoKey
 
 
 def _array_key(value: Any) -> tuple:
     a = np.asarray(value)
     if a.size > 16:
-        raise _NoKey
+        raise NoKey
     return (str(a.dtype), a.shape, a.tobytes())
 
 
@@ -82,10 +88,10 @@ def _jaxpr_key(j: Any) -> tuple:
     those are values, which the key must not hold)."""
     if isinstance(j, ClosedJaxpr):
         if j.consts:
-            raise _NoKey
+            raise NoKey
         j = j.jaxpr
     if j.constvars or j.effects:
-        raise _NoKey
+        raise NoKey
     ids: dict[Any, int] = {}
 
     def define(v) -> str:
@@ -101,7 +107,7 @@ def _jaxpr_key(j: Any) -> tuple:
     eqns = tuple(
         (
             e.primitive,
-            tuple((k, _value_key(p)) for k, p in e.params.items()),
+            tuple((k, value_key(p)) for k, p in e.params.items()),
             tuple(use(v) for v in e.invars),
             tuple(define(v) for v in e.outvars),
         )
@@ -113,15 +119,92 @@ def _jaxpr_key(j: Any) -> tuple:
 def _operand_key(i: Any) -> Any:
     if type(i) is Var:
         return i.id
-    return ("lit", _array_key(i.value), i.shape, str(i.dtype))
+    if not isinstance(i.dtype, np.dtype):
+        raise NoKey  # a literal of an extended dtype
+    return ("lit", i.shape, i.dtype)  # its value is an argument, not part of the key
+
+
+def _runs_bodies(rec: Record) -> bool:
+    """The interpreters run this record's body tapes (never its params' jaxprs)."""
+    return bool(rec.bodies) and rec.rule != "none"
+
+
+def _is_program(v: Any) -> bool:
+    return isinstance(v, (Jaxpr, ClosedJaxpr)) or (
+        isinstance(v, tuple) and bool(v) and all(isinstance(b, (Jaxpr, ClosedJaxpr)) for b in v)
+    )
+
+
+def _record_key(rec: Record) -> tuple:
+    prim = rec.prim
+    if prim is None or getattr(prim, "effectful", False):
+        raise NoKey
+    bodies = _runs_bodies(rec)
+    rule = lookup(rec.primitive) if rec.rule != "none" else None
+    return (
+        prim,
+        rec.primitive,
+        tuple(
+            (k, "<body>" if bodies and _is_program(v) else value_key(v))
+            for k, v in rec.params.items()
+        ),
+        tuple(_operand_key(i) for i in rec.inputs),
+        tuple(_var_key(o) for o in rec.outputs),
+        tuple((s.kind, s.index, s.shape, s.dtype) for s in rec.saves),
+        rec.active,
+        rec.rule,
+        rec.decision,
+        rec.names,
+        rec.schedule,
+        rule if rule is not None else (FALLBACK if rec.rule == "fallback" else None),
+        tuple(_tape_key(b) for b in rec.bodies) if bodies else (),
+    )
+
+
+def _tape_key(tape: Tape) -> tuple:
+    if tape.consts and any(c is not None for _, c in tape.consts):
+        raise NoKey  # a body's constants would be baked in
+    return (
+        tuple(_var_key(v) for v in tape.inputs),
+        tuple(_record_key(r) for r in tape.records),
+        tuple(_operand_key(o) for o in tape.outputs),
+        tape.active_inputs,
+    )
+
+
+def _lits_of(tape: Tape, out: list) -> list:
+    """Every literal the interpreters read running ``tape``, in a fixed order."""
+    for rec in tape.records:
+        out.extend(i for i in rec.inputs if type(i) is Lit)
+        if _runs_bodies(rec):
+            for b in rec.bodies:
+                _lits_of(b, out)
+    out.extend(o for o in tape.outputs if type(o) is Lit)
+    return out
+
+
+def _with_lits(tape: Tape, vals: Iterator[Any]) -> Tape:
+    """``tape`` with its literals' values taken from ``vals`` (in `_lits_of`'s order)."""
+
+    def sub(i):
+        return Lit(next(vals), i.shape, i.dtype) if type(i) is Lit else i
+
+    recs = []
+    for rec in tape.records:
+        ins = tuple(sub(i) for i in rec.inputs)
+        bodies = tuple(_with_lits(b, vals) for b in rec.bodies) if _runs_bodies(rec) else rec.bodies
+        recs.append(dataclasses.replace(rec, inputs=ins, bodies=bodies))
+    return dataclasses.replace(
+        tape, records=tuple(recs), outputs=tuple(sub(o) for o in tape.outputs)
+    )
 
 
 def _var_key(v: Var) -> tuple:
     if not isinstance(v.dtype, np.dtype):
-        raise _NoKey  # extended dtypes (PRNG keys) take the per-record path
+        raise NoKey  # extended dtypes (PRNG keys) take the per-record path
     mesh = getattr(getattr(v, "sharding", None), "mesh", None)
     if mesh is not None and not mesh.empty:
-        raise _NoKey  # rules read a value's mesh sharding; eager arrays have none
+        raise NoKey  # rules read a value's mesh sharding; eager arrays have none
     return (v.id, v.shape, v.dtype)
 
 
@@ -136,54 +219,24 @@ def grad_key(tape: Tape, extra: tuple = ()) -> tuple | None:
     if _has_segments(tape):
         return None
     try:
-        recs = []
-        for rec in tape.records:
-            prim = rec.prim
-            if prim is None or getattr(prim, "effectful", False):
-                return None
-            rule = lookup(rec.primitive) if rec.rule != "none" else None
-            recs.append(
-                (
-                    prim,
-                    rec.primitive,
-                    tuple((k, _value_key(v)) for k, v in rec.params.items()),
-                    tuple(_operand_key(i) for i in rec.inputs),
-                    tuple(_var_key(o) for o in rec.outputs),
-                    tuple((s.kind, s.index, s.shape, s.dtype) for s in rec.saves),
-                    rec.active,
-                    rec.rule,
-                    rec.decision,
-                    rec.names,
-                    rule if rule is not None else (FALLBACK if rec.rule == "fallback" else None),
-                )
-            )
         return (
             tuple(_var_key(v) for v in tape.inputs),
             tuple(_var_key(v) for v, _ in tape.consts),
-            tuple(recs),
+            tuple(_record_key(r) for r in tape.records),
             tuple(_operand_key(o) for o in tape.outputs),
             tape.active_inputs,
             extra,
         )
-    except (_NoKey, TypeError, ValueError):
+    except (NoKey, TypeError, ValueError):
         return None
 
 
-# Bounded, oldest first out: a training loop repeats one or two structures, while a
-# test suite or a sweep sees many once (counted, never compiled).
-_SEEN: dict[tuple, int] = {}
-_COMPILED: dict[tuple, Any] = {}
-_MAX_SEEN = 256
-_MAX_COMPILED = 32
+# Bounded, least recently used out first: a training loop repeats one or two
+# structures, while a test suite or a sweep sees many once (counted, never compiled).
+# Neither holds arrays: a compiled entry keeps the tape's structure only.
+_SEEN = BoundedCache("fused.seen", max_entries=256)
+_COMPILED = BoundedCache("fused.compiled", max_entries=32)
 _COMPILE_AT = 3  # sightings of a structure before it is compiled
-
-
-def _evict_oldest(cache: dict, limit: int) -> None:
-    while len(cache) >= limit:
-        try:
-            cache.pop(next(iter(cache)), None)
-        except (StopIteration, RuntimeError):  # emptied or resized by another thread
-            break
 
 
 def _is_concrete(vals: Sequence[Any]) -> bool:
@@ -194,23 +247,16 @@ def _is_concrete(vals: Sequence[Any]) -> bool:
 
 
 def _compiled_for(key: tuple, tape: Tape, ct_dtype: Any, capture_ids: tuple) -> Any:
-    fn = _COMPILED.pop(key, None)
+    fn = _COMPILED.get(key)
     if fn is not None:
-        _COMPILED[key] = fn  # most recently used last
         return fn
     n = _SEEN.pop(key, 0) + 1
     if n < _COMPILE_AT:
-        _evict_oldest(_SEEN, _MAX_SEEN)
         _SEEN[key] = n
         return None
-    _evict_oldest(_COMPILED, _MAX_COMPILED)
     # Keep the structure only: the first call's constants are not held alive.
-    bare = Tape(
-        tape.inputs,
-        tape.records,
-        tape.outputs,
-        tuple((v, None) for v, _ in tape.consts),
-        tape.active_inputs,
+    bare = dataclasses.replace(
+        tape, consts=tuple((v, None) for v, _ in tape.consts), in_tree=None, out_tree=None
     )
     fn = _COMPILED[key] = jax.jit(_grad_body(bare, ct_dtype, capture_ids))
     return fn
@@ -222,17 +268,18 @@ def _grad_body(tape: Tape, ct_dtype: Any, capture_ids: tuple):
 
     passthrough = {v.id for v in tape.inputs} | {v.id for v, _ in tape.consts}
 
-    def body(args, consts):
-        outs, res = forward(tape, args, SAVE, consts=consts)
-        n = len(tape.outputs)
+    def body(args, consts, lits):
+        t = _with_lits(tape, iter(lits))
+        outs, res = forward(t, args, SAVE, consts=consts)
+        n = len(t.outputs)
         capture = dict.fromkeys(capture_ids) if capture_ids else None
         ct = jax.numpy.ones((), ct_dtype)
-        in_cts = backward(tape, res, [ct] + [None] * (n - 1), retain=False, capture=capture)
+        in_cts = backward(t, res, [ct] + [None] * (n - 1), retain=False, capture=capture)
         # Literal outputs and outputs that are inputs/constants are filled in by the caller,
         # as the per-record path returns them: the very objects, not jit-made copies.
         computed = [
             v if type(o) is Var and o.id not in passthrough else None
-            for o, v in zip(tape.outputs, outs)
+            for o, v in zip(t.outputs, outs)
         ]
         captured = [capture[i] for i in capture_ids] if capture_ids else []
         return computed, in_cts, captured
@@ -254,7 +301,8 @@ def run_grad(
     fn = _compiled_for(key, tape, ct_dtype, capture_ids)
     if fn is None:
         return None
-    computed, in_cts, captured = fn(list(args), consts)
+    lits = [np.asarray(i.value, i.dtype) for i in _lits_of(tape, [])]
+    computed, in_cts, captured = fn(list(args), consts, lits)
     env = {v.id: x for v, x in zip(tape.inputs, args)}
     env.update((v.id, c) for v, c in tape.consts)
     outs = []

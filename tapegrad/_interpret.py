@@ -21,6 +21,8 @@ import numpy as np
 from jax import lax
 
 from tapegrad import _jax_compat as compat
+from tapegrad._caches import BoundedCache
+from tapegrad._fused import NoKey, value_key
 from tapegrad._loops import loop_backward, loop_forward
 from tapegrad._tape import Lit, Record, Saved, Segment, Tape, Var, as_dtype
 from tapegrad.errors import ResidualError, where
@@ -84,30 +86,35 @@ def _run(rec: Record, ins: list) -> tuple[Sequence[Any], Any]:
 # ~20-80 µs each, while one jitted call of the whole rule (cached per primitive,
 # params and shapes) costs about one dispatch. So eagerly each rule runs as one
 # compiled call; under a trace (jit, vmap, grad of grad) rules are traced inline.
-_RULE_JIT: dict[Any, Any] = {}
-_RULE_JIT_MAX = 4096
+# A literal operand (``x * lr`` with a Python float ``lr``) is an argument of the
+# compiled rule, never part of its key: a value that changes on every step (a
+# learning-rate or temperature schedule) reuses the same executable. No rule reads a
+# literal's value at trace time (they compute with it like any operand).
+_RULE_JIT = BoundedCache("interpret.rule_jit", max_entries=2048)
 
 
-def _lit_key(v) -> Any:
-    if type(v) is not Lit:
-        return None
-    a = np.asarray(v.value)
-    if a.size != 1:
-        raise TypeError("non-scalar literal")
-    return a.item()
+def _param_key(v: Any) -> Any:
+    # Structural where possible (a scatter's update_jaxpr is a new object on every trace).
+    try:
+        return value_key(v)
+    except NoKey:
+        return v
+
+
+def _operand_key(i: Var | Lit) -> tuple:
+    if type(i) is Lit and not isinstance(i.dtype, np.dtype):
+        raise TypeError("a literal of an extended dtype")  # keyed by nothing: run op by op
+    # Explicit-axis shardings are part of the type, and rules read them.
+    return (i.shape, str(i.dtype), type(i) is Lit, compat.explicit_sharding(i))
 
 
 def _rule_key(rec: Record, x, y, aux, gs):
     try:
         key = (
             rec.primitive,
-            tuple(sorted(rec.params.items())),
+            tuple((k, _param_key(v)) for k, v in sorted(rec.params.items())),
             rec.active,
-            # Explicit-axis shardings are part of the type, and rules read them.
-            tuple(
-                (i.shape, str(i.dtype), _lit_key(i), compat.explicit_sharding(i))
-                for i in rec.inputs
-            ),
+            tuple(_operand_key(i) for i in rec.inputs),
             tuple((o.shape, str(o.dtype), compat.explicit_sharding(o)) for o in rec.outputs),
             tuple(v is not None and type(i) is not Lit for v, i in zip(x, rec.inputs)),
             tuple(v is not None for v in y),
@@ -140,15 +147,17 @@ def _apply_rule(rule, rec: Record, x, y, aux, gs) -> list:
         if key is not None:
             fn = _RULE_JIT.get(key)
             if fn is None:
-                if len(_RULE_JIT) >= _RULE_JIT_MAX:
-                    _RULE_JIT.clear()
-                fn = _RULE_JIT[key] = jax.jit(functools.partial(_rule_body, rule, rec))
-            return fn([None if type(i) is Lit else v for v, i in zip(x, rec.inputs)], y, aux, gs)
+                fn = _RULE_JIT.put(key, jax.jit(functools.partial(_rule_body, rule, rec)))
+            xs = [
+                np.asarray(i.value, i.dtype) if type(i) is Lit else v for v, i in zip(x, rec.inputs)
+            ]
+            return fn(xs, y, aux, gs)
     return _rule_body(rule, rec, x, y, aux, gs)
 
 
 def _rule_body(rule, rec: Record, x, y, aux, gs) -> list:
-    x = [i.value if type(i) is Lit else v for v, i in zip(x, rec.inputs)]
+    # Literals come as arguments (compiled) or are read from the record (traced inline).
+    x = [i.value if type(i) is Lit and v is None else v for v, i in zip(x, rec.inputs)]
     in_cts = rule.vjp(rec.params, Res(x, y, aux, rec.inputs, rec.outputs, rec), gs, rec.active)
     return [
         _fit(ct, inp, rec, i) if (a and ct is not None) else None

@@ -6,11 +6,10 @@ tape (both cost a loop over the records); `validate` runs after every pass.
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Primitive
 
+from tapegrad._caches import BoundedCache
 from tapegrad._tape import Tape, Var
 from tapegrad.errors import EffectError, InvalidTapeError, MissingRuleError, where
 
@@ -47,7 +46,7 @@ def check_rules(tape: Tape) -> Tape:
 
 # Effects jax allows inside recomputed (checkpointed) code: printing twice is harmless.
 _HARMLESS = ("DebugEffect",)
-_EFFECTS_CACHE: dict[Any, tuple] = {}
+_EFFECTS_CACHE = BoundedCache("checks.effects", max_entries=1024)  # primitive -> effects
 
 
 def _has_subprograms(params) -> bool:
@@ -70,8 +69,9 @@ def effects_of(rec) -> tuple:
     if prim is None:
         return ()
     cacheable = not _has_subprograms(rec.params)
-    if cacheable and prim in _EFFECTS_CACHE:
-        return _EFFECTS_CACHE[prim]
+    found = _EFFECTS_CACHE.get(prim) if cacheable else None
+    if found is not None:
+        return found
     try:
         avals = [jax.core.ShapedArray(i.shape, i.dtype) for i in rec.inputs]
         out = prim.abstract_eval(*avals, **dict(rec.params))
@@ -79,7 +79,7 @@ def effects_of(rec) -> tuple:
     except Exception:
         effs = ("unknown",) if "callback" in rec.primitive else ()
     if cacheable:
-        _EFFECTS_CACHE[prim] = effs
+        _EFFECTS_CACHE.put(prim, effs)
     return effs
 
 

@@ -34,13 +34,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from tapegrad import _jax_compat as compat
+from tapegrad._caches import BoundedCache, array_bytes
 from tapegrad.rules._registry import Rule, defrule
 
 __all__ = ["expand_custom_jvp", "custom_jvp_rule_p"]
@@ -95,6 +96,10 @@ class Linear:
     n_res: int
     tangent_of: tuple[int, ...]  # primal operand (after the consts) of each lt output
     ct_of: tuple[int, ...]  # call output of each cotangent lt input
+    # Per pattern of active inputs: the pruned jaxpr and its compiled form (at most
+    # 2**inputs patterns; freed with the Linear when `_LINEAR` evicts it).
+    pruned: dict = field(default_factory=dict, repr=False)
+    jitted: dict = field(default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True, eq=False)
@@ -293,9 +298,10 @@ def _used_consts(eqns: list, outs: list, constvars: list) -> list:
 
 
 # Transposing costs a trace of the linear part (~1 ms); a training loop traces the
-# same calls on every step, so the result is kept per structure.
-_LINEAR: dict[Any, Linear] = {}
-_LINEAR_MAX = 512
+# same calls on every step, so the result is kept per structure. Bounded by entries
+# and by the bytes of the constants the transposed rules hold; a `Linear` also owns
+# its pruned and compiled forms, so evicting it releases those too.
+_LINEAR = BoundedCache("custom_jvp.linear", max_entries=512, max_bytes=256 << 20)
 
 
 def _linear_for(lin, n_res: int, nz_in: list[int], ct_of: list[int]) -> Linear:
@@ -305,22 +311,17 @@ def _linear_for(lin, n_res: int, nz_in: list[int], ct_of: list[int]) -> Linear:
         return found
     out = Linear(_transpose(lin, n_res), n_res, tuple(nz_in), tuple(ct_of))
     if key is not None:
-        while len(_LINEAR) >= _LINEAR_MAX:
-            try:  # oldest first out; another thread may have emptied it meanwhile
-                _LINEAR.pop(next(iter(_LINEAR)), None)
-            except (StopIteration, RuntimeError):
-                break
-        _LINEAR[key] = out
+        _LINEAR.put(key, out, array_bytes(out.lt.consts))
     return out
 
 
 def _structure_key(lin, n_res: int, nz_in: list[int], ct_of: list[int]) -> Any:
-    from tapegrad._fused import _jaxpr_key, _NoKey  # a structural key of a jaxpr
+    from tapegrad._fused import NoKey, _jaxpr_key  # a structural key of a jaxpr
 
     try:
         key = (_jaxpr_key(lin), n_res, tuple(nz_in), tuple(ct_of))
         hash(key)
-    except (_NoKey, TypeError, ValueError):
+    except (NoKey, TypeError, ValueError):
         return None
     return key
 
@@ -351,20 +352,25 @@ def _active_tangents(exp: Expansion, active: Sequence[bool]) -> tuple[bool, ...]
     return tuple(bool(active[nc + i]) for i in exp.linear.tangent_of)
 
 
-@functools.lru_cache(maxsize=1024)
 def _pruned(linear: Linear, act: tuple[bool, ...]) -> tuple[Any, tuple[int, ...], tuple[int, ...]]:
     """The transposed jaxpr computing only the active inputs' cotangents:
     ``(jaxpr, residuals it reads, cotangents it reads)``."""
-    jaxpr, used = compat.dce_jaxpr(linear.lt.jaxpr, list(act))
-    closed = compat.ClosedJaxpr(jaxpr, linear.lt.consts)
-    res = tuple(k for k in range(linear.n_res) if used[k])
-    cts = tuple(k for k in range(len(linear.ct_of)) if used[linear.n_res + k])
-    return closed, res, cts
+    found = linear.pruned.get(act)
+    if found is None:
+        jaxpr, used = compat.dce_jaxpr(linear.lt.jaxpr, list(act))
+        closed = compat.ClosedJaxpr(jaxpr, linear.lt.consts)
+        res = tuple(k for k in range(linear.n_res) if used[k])
+        cts = tuple(k for k in range(len(linear.ct_of)) if used[linear.n_res + k])
+        found = linear.pruned[act] = (closed, res, cts)
+    return found
 
 
-@functools.lru_cache(maxsize=1024)
 def _jitted(linear: Linear, act: tuple[bool, ...]):
-    return jax.jit(functools.partial(compat.eval_closed_jaxpr, _pruned(linear, act)[0]))
+    fn = linear.jitted.get(act)
+    if fn is None:
+        closed = _pruned(linear, act)[0]
+        fn = linear.jitted[act] = jax.jit(functools.partial(compat.eval_closed_jaxpr, closed))
+    return fn
 
 
 def _saves(p, ins, outs, active) -> tuple[Ref, ...]:
