@@ -19,8 +19,11 @@ from types import MappingProxyType
 from typing import Any
 
 import jax
+import numpy as np
 
 from tapegrad import _jax_compat as compat
+from tapegrad._caches import BoundedCache
+from tapegrad._fused import NoKey, value_key
 from tapegrad._loops import outer_saves
 from tapegrad._record import is_concrete, record_jaxpr
 from tapegrad._tape import Lit, Record, Region, Saved, Tape, Var, as_dtype
@@ -159,11 +162,14 @@ def trace_flat(
     diff_outputs: Callable[[int], Sequence[bool]] | Sequence[bool] | None = None,
     in_tree: Any = None,
     out_tree_fn: Callable[[], Any] | None = None,
+    owner: Any = None,
 ) -> Tape:
     """Trace ``flat_fun(*flat_args)`` into a `Tape`.
 
     ``active_inputs[i]`` says whether input i is differentiated;
     ``diff_outputs`` whether each output receives a cotangent (default: all).
+    ``owner`` (the user's function) lets a later call with the same program reuse the
+    tape built for this one (`_TAPES`); its records name that function's lines.
     """
     try:
         closed = jax.make_jaxpr(flat_fun)(*flat_args)
@@ -175,13 +181,85 @@ def trace_flat(
         closed = None
     if closed is None:  # outside the except: an error while recording is the only one shown
         closed = record_jaxpr(flat_fun, flat_args)
-    return tape_from_jaxpr(
-        closed,
-        active_inputs,
-        diff_outputs,
-        in_tree,
-        out_tree_fn() if out_tree_fn is not None else None,
+    n_out = len(closed.jaxpr.outvars)
+    diff = (
+        [True] * n_out
+        if diff_outputs is None
+        else list(diff_outputs(n_out) if callable(diff_outputs) else diff_outputs)
     )
+    out_tree = out_tree_fn() if out_tree_fn is not None else None
+    key = _tape_key(closed, active_inputs, diff, in_tree, out_tree, owner)
+    cached = _TAPES.get(key) if key is not None else None
+    if cached is not None:
+        return _with_consts(cached, closed.consts)
+    tape = tape_from_jaxpr(closed, active_inputs, diff, in_tree, out_tree)
+    if key is not None:
+        _TAPES.put(key, _with_consts(tape, [None] * len(tape.consts)))
+    return tape
+
+
+# Building a tape costs ~20 us per record (records, activity, what each saves); a training
+# loop traces the same program on every step, so the tape is kept per program *structure*
+# (its equations, avals and literals, not its closed-over arrays, which are swapped in).
+_TAPES = BoundedCache("trace.tapes", max_entries=256)
+
+
+def _tape_key(closed, active, diff, in_tree, out_tree, owner) -> Any:
+    """The program's structure, or None when it holds something only identity could key
+    (a custom_jvp rule, a callback, a nested constant) or has effects."""
+    if owner is None:
+        return None
+    owner = getattr(owner, "__code__", owner)  # a lambda re-made per call: same code
+    try:
+        key = (owner, _structure(closed.jaxpr), tuple(active), tuple(diff), in_tree, out_tree)
+        hash(key)
+    except (NoKey, TypeError, ValueError):
+        return None
+    return key
+
+
+def _structure(j) -> tuple:
+    """Equations, avals and literal values of a jaxpr (its constants by aval only).
+    Avals are compared as objects (shape, dtype, weak type, sharding): printing them
+    would cost more than building the tape."""
+    ids: dict[Any, int] = {}
+    for v in j.constvars:
+        ids[v] = len(ids)
+    for v in j.invars:
+        ids[v] = len(ids)
+
+    def use(v) -> Any:
+        if type(v) is compat.Literal:
+            return ("lit", _literal_key(v.val), v.aval)
+        return ids[v]
+
+    eqns = []
+    for e in j.eqns:
+        ins = tuple([use(v) for v in e.invars])
+        for v in e.outvars:
+            ids[v] = len(ids)
+        params = tuple([(k, value_key(p)) for k, p in e.params.items()])
+        eqns.append((e.primitive, params, ins, tuple([v.aval for v in e.outvars])))
+    return (
+        tuple([v.aval for v in j.constvars]),
+        tuple([v.aval for v in j.invars]),
+        tuple(eqns),
+        tuple([use(v) for v in j.outvars]),
+    )
+
+
+def _literal_key(value: Any) -> tuple:
+    a = np.asarray(value)
+    if a.size > 16:
+        raise NoKey
+    return (str(a.dtype), a.shape, a.tobytes())
+
+
+def _with_consts(tape: Tape, values: Sequence[Any]) -> Tape:
+    if not tape.consts:
+        return tape
+    consts = tuple((v, c) for (v, _), c in zip(tape.consts, values))
+    return dataclasses.replace(tape, consts=consts)
 
 
 def tape_from_jaxpr(

@@ -164,6 +164,7 @@ class _Traced:
                 diff_outputs=lambda n: [True] * trees["n_out"] + [False] * (n - trees["n_out"]),
                 in_tree=in_tree,
                 out_tree_fn=lambda: trees["out"],
+                owner=_user_function(fun),
             )
         self.tape = _passes.run(_passes.check_rules(self.tape), passes)
         self.tape = _passes.check_effects(plan_recompute(self.tape, policy))
