@@ -409,6 +409,8 @@ def _call(cls, spec: _Spec, new_style: bool):
         ctx = FunctionCtx(name, tuple(seen))
         out = _run_forward(cls, spec, ctx, args, new_style)
         _finish_ctx(ctx, out)
+        if getattr(cls.backward, "_tg_once_differentiable", False):
+            out = _tie_outputs(out, ctx, [p.value for p in prims if p.perturbed])
         res = _Residuals(ctx._tg_saved, ctx)
         ctx._tg_saved = ()  # backward gets them from the residuals, not from forward's trace
         return out, res
@@ -555,7 +557,51 @@ def once_differentiable(fn: Callable) -> Callable:
             leaves[k] = g
         return tree_util.tree_unflatten(treedef, leaves)
 
+    wrapper._tg_once_differentiable = True  # type: ignore[attr-defined]
     return wrapper
+
+
+def _tie_outputs(out: Any, ctx: FunctionCtx, inputs: list) -> Any:
+    """``out``, with each differentiable output tied to the perturbed ``inputs``.
+
+    As in PyTorch, every output of a Function depends on its differentiable inputs. Under
+    an outer differentiation jax sees the forward's own computation instead, which may
+    cut the dependence (``jnp.round`` in a straight-through estimator has derivative 0):
+    the cotangents later fed to the once-differentiable backward would then look
+    constant, and a double backward through it would silently give 0 instead of
+    raising. The tie is the identity with a zero derivative w.r.t. ``inputs``: values and
+    gradients are unchanged, but an outer transformation sees the dependence.
+    """
+    deps = [x for x in inputs if _is_jax_value(x) and jnp.issubdtype(x.dtype, jnp.inexact)]
+    leaves, treedef = tree_util.tree_flatten(out)
+    idx = [
+        k
+        for k, x in enumerate(leaves)
+        if k not in ctx._tg_marked and _is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
+    if not deps or not idx:
+        return out
+    avals = tuple((np.shape(d), jnp.result_type(d)) for d in deps)
+    tied = _tie(avals, tuple(leaves[k] for k in idx), tuple(deps))
+    for k, t in zip(idx, tied):
+        leaves[k] = t
+    return tree_util.tree_unflatten(treedef, leaves)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _tie(avals: tuple, outs: tuple, deps: tuple) -> tuple:
+    return outs
+
+
+def _tie_fwd(avals, outs, deps):
+    return outs, None
+
+
+def _tie_bwd(avals, _, ct):
+    return ct, tuple(jnp.zeros(shape, dt) for shape, dt in avals)
+
+
+_tie.defvjp(_tie_fwd, _tie_bwd)
 
 
 def _once_barrier(name: str):

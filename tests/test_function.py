@@ -973,3 +973,58 @@ def test_memory_report_names_the_function():
     rep = tg.memory_report(lambda x: jnp.sum(Sq.apply(jnp.sin(x))))(jnp.ones(4))
     assert any(r.primitive == "Sq" and r.bytes == 16 for r in rep.records)
     assert "name=Sq" in str(tg.trace(lambda x: jnp.sum(Sq.apply(x)))(jnp.ones(4)))
+
+
+# ---------------------------------------------------------------------------
+# once_differentiable: a double backward through the incoming cotangent (issue 13)
+
+
+class OnceRoundSTE(tg.Function):
+    """Straight-through rounding: the forward's own derivative (jnp.round's) is 0, so
+    only the Function's rule connects the cotangent of its backward to the input."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return jnp.round(x)
+
+    @staticmethod
+    @tg.once_differentiable
+    def backward(ctx, g):
+        return g
+
+
+_ORDERS = [(tg.grad, tg.grad), (jax.grad, tg.grad), (tg.grad, jax.grad), (jax.grad, jax.grad)]
+
+
+@pytest.mark.parametrize("outer,inner", _ORDERS, ids=["tg-tg", "jax-tg", "tg-jax", "jax-jax"])
+def test_once_differentiable_raises_when_the_cotangent_is_differentiated(outer, inner):
+    # PyTorch raises here; the second derivative used to come back as 0.0.
+    f = lambda x: OnceRoundSTE.apply(x) ** 2
+    with pytest.raises(tg.NonDifferentiableError) as info:
+        outer(inner(f))(jnp.float32(1.3))
+    msg = str(info.value)
+    assert "OnceRoundSTE.backward" in msg and "@tg.once_differentiable" in msg
+    assert "Remove @once_differentiable" in msg
+
+
+@pytest.mark.parametrize("grad", [tg.grad, jax.grad], ids=["tg.grad", "jax.grad"])
+def test_once_differentiable_first_order_straight_through(grad):
+    # d/dx sum(round(x)**2 * w) with the straight-through rule: 2 * round(x) * w.
+    x = jnp.array([1.3, -0.6, 2.5, 0.2])
+    w = jnp.array([1.0, 2.0, 3.0, 4.0])
+    got = grad(lambda x: jnp.sum(OnceRoundSTE.apply(x) ** 2 * w))(x)
+    np.testing.assert_allclose(got, [2.0, -4.0, 12.0, 0.0])
+    got = jax.jit(grad(lambda x: jnp.sum(OnceRoundSTE.apply(x) * w)))(x)
+    np.testing.assert_allclose(got, w)
+
+
+def test_once_differentiable_value_of_inner_grad_differentiated_only_through_forward():
+    # The outer gradient reads the inner value, not the inner gradient: no backward of
+    # RoundSTE is differentiated, so nothing raises, and round's own derivative (0) is used.
+    def value(x):
+        v, _ = tg.value_and_grad(lambda x: jnp.sum(OnceRoundSTE.apply(x) * x))(x)
+        return v
+
+    x = jnp.array([1.3, -0.6])
+    np.testing.assert_allclose(tg.grad(value)(x), jnp.round(x))
+    np.testing.assert_allclose(jax.grad(value)(x), jnp.round(x))

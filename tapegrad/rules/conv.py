@@ -339,11 +339,32 @@ def _generic_avals(p, ins, outs, active):
 
 
 def _generic_derive(rec, ins):
-    outs = list(rec.prim.bind(*ins, **rec.bind_params))
-    if _generic_kind(rec.params, len(ins)) in ("max", "min"):
-        x, init = ins
-        return outs, [_choice(x, outs[0], init, rec.params)]
-    return outs, []
+    kind = _generic_kind(rec.params, len(ins))
+    if kind not in ("max", "min"):
+        return list(rec.prim.bind(*ins, **rec.bind_params)), []
+    # The same values as the primitive (init pads the operand and starts every window),
+    # from max/min pooling and one elementwise max/min: an outer jax transformation
+    # (jax.grad of tg.grad) can differentiate these, not the generic primitive.
+    x, init = ins
+    p = rec.params
+    dt = np.dtype(x.dtype)
+    if jnp.issubdtype(dt, jnp.inexact):
+        ident = -np.inf if kind == "max" else np.inf
+    else:
+        ident = np.iinfo(dt).min if kind == "max" else np.iinfo(dt).max
+    op = lax.max if kind == "max" else lax.min
+    pooled = lax.reduce_window(
+        x,
+        np.array(ident, dt),
+        op,
+        p["window_dimensions"],
+        p["window_strides"],
+        p["padding"],
+        p["base_dilation"],
+        p["window_dilation"],
+    )
+    y = op(pooled, jnp.asarray(init, dt))
+    return [y], [_choice(x, y, init, p)]
 
 
 def _generic_vjp(p, r, cts, active):

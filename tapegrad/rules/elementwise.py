@@ -20,7 +20,17 @@ deflinear("neg", lambda g, r, p: -g)
 deflinear("add", lambda g, r, p: g, lambda g, r, p: g)
 deflinear("add_any", lambda g, r, p: g, lambda g, r, p: g)
 deflinear("sub", lambda g, r, p: g, lambda g, r, p: -g)
-deflinear("convert_element_type", lambda g, r, p: g)  # the interpreter casts to the input dtype
+
+
+def _convert_ct(g, r, p):
+    # The interpreter casts to the input dtype; a complex cotangent of a real input
+    # keeps its real part (jax's transpose binds convert_element_type, which does that).
+    if jnp.iscomplexobj(g) and not jnp.issubdtype(r.in_avals[0].dtype, jnp.complexfloating):
+        return lax.real(g)
+    return g
+
+
+deflinear("convert_element_type", _convert_ct)
 deflinear("copy", lambda g, r, p: g)
 deflinear("copy_p", lambda g, r, p: g)
 deflinear(
@@ -30,7 +40,15 @@ deflinear(
     ),
 )
 deflinear("real", lambda g, r, p: lax.complex(g, jnp.zeros_like(g)))
-deflinear("conj", lambda g, r, p: jnp.conj(g))
+deflinear("imag", lambda g, r, p: lax.complex(jnp.zeros_like(g), -g))
+deflinear("complex", lambda g, r, p: lax.real(g), lambda g, r, p: -lax.imag(g))
+# conj of a real input has a complex output: its transpose keeps the real part.
+deflinear(
+    "conj",
+    lambda g, r, p: (
+        lax.conj(g) if jnp.issubdtype(p["input_dtype"], jnp.complexfloating) else lax.real(g)
+    ),
+)
 
 # Products and quotients.
 defvjp("mul", ("x1", lambda g, r, p: g * r.x[1]), ("x0", lambda g, r, p: g * r.x[0]))
@@ -55,27 +73,44 @@ defvjp(
 
 
 def _pow_dx(g, r, p):
-    x, y = r.x
-    # d/dx x**y = y * x**(y-1). As in jax, an integer exponent defines it as 0
-    # where y == 0; a float exponent does not (0 * 0**-1 is nan at x == y == 0).
-    if jnp.issubdtype(jnp.result_type(y), jnp.integer):
-        return g * jnp.where(y == 0, 0, y * x ** (y - 1)).astype(g.dtype)
-    return g * (y * x ** (y - 1)).astype(g.dtype)
+    # d/dx x**y = y * x**(y-1), in the output's dtype. As in jax, an integer exponent
+    # defines it as 0 where y == 0 (so d/dx x**0 = 0 at x == 0); a float exponent does
+    # not (0 * 0**-1 is nan at x == y == 0).
+    x, y = jnp.asarray(r.x[0]), jnp.asarray(r.x[1])
+    dt = r.out_avals[0].dtype
+    xc, yc = lax.convert_element_type(x, dt), lax.convert_element_type(y, dt)
+    if jnp.issubdtype(y.dtype, jnp.integer):
+        shape = jnp.broadcast_shapes(xc.shape, yc.shape)
+        xc, yc = jnp.broadcast_to(xc, shape), jnp.broadcast_to(yc, shape)
+        jac = jnp.where(yc == 0, jnp.zeros_like(yc), _replace_zero(yc) * lax.pow(xc, yc - 1))
+    else:
+        jac = yc * lax.pow(xc, yc - 1)
+    return g * jac
 
 
 def _pow_dy(g, r, p):
-    x = r.x[0]
-    return g * jnp.log(jnp.where(x == 0, 1.0, x)).astype(g.dtype) * r.y[0]
+    # d/dy x**y = log(x) * x**y, with log(1) in place of log(0) (so pow(0, y) gets 0).
+    x = jnp.asarray(r.x[0])
+    y_dtype = r.in_avals[1].dtype
+    return lax.convert_element_type(g * (jnp.log(_replace_zero(x)) * r.y[0]), y_dtype)
+
+
+def _replace_zero(x):
+    return jnp.where(x == 0, jnp.ones_like(x), x)
 
 
 defvjp("pow", ("x0 x1", _pow_dx), ("x0 y0", _pow_dy))
 
 
 def _integer_pow(g, r, p):
-    n = p["y"]
+    # jax's rule, case by case: x**0 has derivative 0 and x**1 derivative 1 everywhere
+    # (no 0 * 0**-1 at x == 0).
+    n, x = p["y"], jnp.asarray(r.x[0])
     if n == 0:
         return jnp.zeros_like(g)
-    return g * (n * (r.x[0] if n == 2 else lax.integer_pow(r.x[0], n - 1)))
+    if n == 1:
+        return g
+    return g * (n * (x if n == 2 else lax.integer_pow(x, n - 1)))
 
 
 defvjp("integer_pow", ("x0", _integer_pow))
@@ -118,8 +153,21 @@ defvjp("erfc", ("x0", lambda g, r, p: g * (-_TWO_OVER_SQRT_PI * jnp.exp(-r.x[0] 
 defvjp("erf_inv", ("y0", lambda g, r, p: g * (math.sqrt(math.pi) / 2 * jnp.exp(r.y[0] * r.y[0]))))
 
 # Piecewise.
-# d|x| = g where x >= 0, else -g (jax's convention: +g at x == 0, not sign(0) == 0).
-defvjp("abs", ("x0", lambda g, r, p: jnp.where(r.x[0] >= 0, g, -g)))
+
+
+def _abs(g, r, p):
+    x = jnp.asarray(r.x[0])
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        # d|z| = real(conj(z) / |z| * dz): the transpose of real() makes g complex, then
+        # it is multiplied by conj(z) / |z| (with |z| := 1 at z == 0, as in jax, so the
+        # derivative there is 0). Written with differentiable ops: higher orders follow.
+        mag = lax.convert_element_type(lax.abs(x), x.dtype)
+        return lax.complex(g, jnp.zeros_like(g)) * (lax.conj(x) / _replace_zero(mag))
+    # d|x| = g where x >= 0, else -g (jax's convention: +g at x == 0, not sign(0) == 0).
+    return jnp.where(x >= 0, g, -g)
+
+
+defvjp("abs", ("x0", _abs))
 
 
 def _clamp_lo(g, r, p):

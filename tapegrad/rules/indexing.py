@@ -157,9 +157,11 @@ defrule(Rule("split", _no_saves, _split_vjp))
 
 
 def _pad_operand_ct(g, config):
-    lo, hi, interior = zip(*config)
-    unpadded = lax.pad(g, _zero_scalar(g), [(-int(a), -int(b), 0) for a, b in zip(lo, hi)])
-    return lax.slice(unpadded, (0,) * g.ndim, unpadded.shape, tuple(int(i) + 1 for i in interior))
+    # Negative pads crop, so un-padding is a pad by the negated amounts; then every
+    # (interior + 1)-th element is the operand's. A scalar has an empty config.
+    unpadded = lax.pad(g, _zero_scalar(g), [(-int(lo), -int(hi), 0) for lo, hi, _ in config])
+    strides = tuple(int(i) + 1 for _, _, i in config)
+    return lax.slice(unpadded, (0,) * g.ndim, unpadded.shape, strides)
 
 
 def _pad_vjp(p, r, cts, active):
@@ -168,7 +170,10 @@ def _pad_vjp(p, r, cts, active):
     t_op = _pad_operand_ct(g, config) if (active[0] or active[1]) else None
     t_pad = None
     if active[1]:
-        t_pad = jnp.sum(g) - jnp.sum(t_op)
+        # Everything not the operand's was padding. lax.reduce_sum, as jax's transpose,
+        # so half-precision sums round the same way.
+        axes = tuple(range(g.ndim))
+        t_pad = lax.reduce_sum(g, axes) - lax.reduce_sum(t_op, axes)
     return [t_op if active[0] else None, t_pad]
 
 
