@@ -19,7 +19,6 @@ from types import MappingProxyType
 from typing import Any
 
 import jax
-import numpy as np
 
 from tapegrad import _jax_compat as compat
 from tapegrad._caches import BoundedCache
@@ -29,7 +28,7 @@ from tapegrad._record import is_concrete, record_jaxpr
 from tapegrad._tape import Lit, Record, Region, Saved, Tape, Var, as_dtype
 from tapegrad.errors import ReverseModeError
 from tapegrad.rules import FALLBACK, NONDIFF, WHILE_ERROR, lookup
-from tapegrad.rules.custom_jvp import expand_custom_jvp
+from tapegrad.rules.custom_jvp import expand_custom_jvp, share_outputs
 
 __all__ = ["trace_flat", "is_differentiable_dtype"]
 
@@ -63,6 +62,7 @@ class _Builder:
     def __init__(self):
         self.counter = itertools.count()
         self.raws: list[_Raw] = []
+        self.top_lits: list[Lit] = []  # the top-level jaxpr's literals, in reading order
         self.consts: list[tuple[Var, Any]] = []
         self.regions: list[Region] = []
 
@@ -81,9 +81,11 @@ class _Builder:
         in_vals: Sequence[Var | Lit],
         region: int | None = None,
         caller: Any = None,
+        top: bool = False,
     ) -> list[Var | Lit]:
         """Append ``jaxpr``'s equations as raws; ``caller`` is the source info of the call
-        being inlined, for equations whose own has no user frame (a cached ``jit`` trace)."""
+        being inlined, for equations whose own has no user frame (a cached ``jit`` trace).
+        ``top``: the traced program itself, whose literals are listed in `top_lits`."""
         env: dict[Any, Var | Lit] = {}
         for v, c in zip(jaxpr.constvars, consts):
             var = self.new_var(v.aval)
@@ -95,7 +97,10 @@ class _Builder:
         def read(v):
             if isinstance(v, compat.Literal):
                 aval = v.aval
-                return Lit(v.val, tuple(aval.shape), as_dtype(aval.dtype))
+                lit = Lit(v.val, tuple(aval.shape), as_dtype(aval.dtype))
+                if top:
+                    self.top_lits.append(lit)
+                return lit
             return env[v]
 
         for eqn in jaxpr.eqns:
@@ -188,40 +193,49 @@ def trace_flat(
         else list(diff_outputs(n_out) if callable(diff_outputs) else diff_outputs)
     )
     out_tree = out_tree_fn() if out_tree_fn is not None else None
-    key = _tape_key(closed, active_inputs, diff, in_tree, out_tree, owner)
+    lits: list = []
+    key = _tape_key(closed, active_inputs, diff, in_tree, out_tree, owner, lits)
     cached = _TAPES.get(key) if key is not None else None
     if cached is not None:
-        return _with_consts(cached, closed.consts)
-    tape = tape_from_jaxpr(closed, active_inputs, diff, in_tree, out_tree)
+        tape, old_lits = cached
+        return _with_values(tape, closed.consts, old_lits, lits)
+    tape, top_lits = _build(closed, active_inputs, diff, in_tree, out_tree)
     if key is not None:
-        _TAPES.put(key, _with_consts(tape, [None] * len(tape.consts)))
+        if len(top_lits) == len(lits) and all(
+            o.shape == tuple(n.aval.shape) for o, n in zip(top_lits, lits)
+        ):  # the same literals, read in the same order
+            _TAPES.put(key, (_with_values(tape, [None] * len(tape.consts), [], []), top_lits))
     return tape
 
 
 # Building a tape costs ~20 us per record (records, activity, what each saves); a training
 # loop traces the same program on every step, so the tape is kept per program *structure*
-# (its equations, avals and literals, not its closed-over arrays, which are swapped in).
+# (its equations and avals): the call's closed-over arrays and its literals' values (a
+# learning rate, a temperature) are swapped in, never part of the key.
 _TAPES = BoundedCache("trace.tapes", max_entries=256)
 
 
-def _tape_key(closed, active, diff, in_tree, out_tree, owner) -> Any:
+def _tape_key(closed, active, diff, in_tree, out_tree, owner, lits: list) -> Any:
     """The program's structure, or None when it holds something only identity could key
-    (a custom_jvp rule, a callback, a nested constant) or has effects."""
-    if owner is None:
+    (a custom_jvp rule, a callback, a nested constant) or has effects. Appends the
+    program's top-level literals to ``lits``, whose values the key leaves out."""
+    if owner is None or closed.jaxpr.effects:
         return None
     owner = getattr(owner, "__code__", owner)  # a lambda re-made per call: same code
     try:
-        key = (owner, _structure(closed.jaxpr), tuple(active), tuple(diff), in_tree, out_tree)
+        structure = _structure(closed.jaxpr, lits)
+        key = (owner, structure, tuple(active), tuple(diff), in_tree, out_tree)
         hash(key)
     except (NoKey, TypeError, ValueError):
         return None
     return key
 
 
-def _structure(j) -> tuple:
-    """Equations, avals and literal values of a jaxpr (its constants by aval only).
-    Avals are compared as objects (shape, dtype, weak type, sharding): printing them
-    would cost more than building the tape."""
+def _structure(j, lits: list) -> tuple:
+    """Equations and avals of a jaxpr: its constants and literals by aval only (the
+    literals are appended to ``lits``), nested jaxprs in full. Avals are compared as
+    objects (shape, dtype, weak type, sharding): printing them costs more than building
+    the tape."""
     ids: dict[Any, int] = {}
     for v in j.constvars:
         ids[v] = len(ids)
@@ -230,7 +244,8 @@ def _structure(j) -> tuple:
 
     def use(v) -> Any:
         if type(v) is compat.Literal:
-            return ("lit", _literal_key(v.val), v.aval)
+            lits.append(v)
+            return ("lit", v.aval)
         return ids[v]
 
     eqns = []
@@ -248,18 +263,25 @@ def _structure(j) -> tuple:
     )
 
 
-def _literal_key(value: Any) -> tuple:
-    a = np.asarray(value)
-    if a.size > 16:
-        raise NoKey
-    return (str(a.dtype), a.shape, a.tobytes())
+def _with_values(tape: Tape, consts: Sequence[Any], old: list[Lit], new: list) -> Tape:
+    """``tape`` with these constant values, and literal ``old[i]`` reading ``new[i].val``."""
+    changes: dict[str, Any] = {}
+    if tape.consts:
+        changes["consts"] = tuple((v, c) for (v, _), c in zip(tape.consts, consts))
+    swap = {id(o): Lit(n.val, o.shape, o.dtype) for o, n in zip(old, new)}
+    if swap:
 
+        def lits(ops):
+            return tuple(swap.get(id(i), i) if type(i) is Lit else i for i in ops)
 
-def _with_consts(tape: Tape, values: Sequence[Any]) -> Tape:
-    if not tape.consts:
-        return tape
-    consts = tuple((v, c) for (v, _), c in zip(tape.consts, values))
-    return dataclasses.replace(tape, consts=consts)
+        changes["records"] = tuple(
+            dataclasses.replace(r, inputs=lits(r.inputs))
+            if any(id(i) in swap for i in r.inputs)
+            else r
+            for r in tape.records
+        )
+        changes["outputs"] = lits(tape.outputs)
+    return dataclasses.replace(tape, **changes) if changes else tape
 
 
 def tape_from_jaxpr(
@@ -270,9 +292,14 @@ def tape_from_jaxpr(
     out_tree: Any = None,
 ) -> Tape:
     """Convert a `ClosedJaxpr` into a `Tape` (see `trace_flat`)."""
+    return _build(closed, active_inputs, diff_outputs, in_tree, out_tree)[0]
+
+
+def _build(closed, active_inputs, diff_outputs, in_tree, out_tree) -> tuple[Tape, list[Lit]]:
+    """`tape_from_jaxpr`, and the top-level literals of the tape in reading order."""
     b = _Builder()
     in_vars = [b.new_var(v.aval) for v in closed.jaxpr.invars]
-    outs = b.convert(closed.jaxpr, closed.consts, in_vars)
+    outs = b.convert(closed.jaxpr, closed.consts, in_vars, top=True)
 
     n_out = len(outs)
     if diff_outputs is None:
@@ -379,9 +406,9 @@ def tape_from_jaxpr(
             )
         )
 
-    return Tape(
+    tape = Tape(
         inputs=tuple(in_vars),
-        records=tuple(records),
+        records=tuple(_share_outputs(records)),
         outputs=tuple(outs),
         consts=tuple(b.consts),
         active_inputs=tuple(bool(a) for a in active_inputs),
@@ -389,6 +416,29 @@ def tape_from_jaxpr(
         out_tree=out_tree,
         regions=tuple(b.regions),
     )
+    return tape, b.top_lits
+
+
+def _share_outputs(records: list[Record]) -> list[Record]:
+    """Let each custom_jvp record read a residual off an output that another record
+    saves anyway (relu's mask off relu's output, which the next matmul keeps)."""
+    if not any(r.primitive == "custom_jvp_rule" and r.saves for r in records):
+        return records
+    holders: dict[int, set[int]] = {}
+    for r in records:
+        for s in r.saves:
+            if s.kind == "aux":
+                continue
+            v = r.inputs[s.index] if s.kind == "in" else r.outputs[s.index]
+            if type(v) is Var:
+                holders.setdefault(v.id, set()).add(r.index)
+    out = []
+    for r in records:
+        if r.primitive == "custom_jvp_rule" and r.saves:
+            elsewhere = {o.id for o in r.outputs if holders.get(o.id, set()) - {r.index}}
+            r = share_outputs(r, elsewhere) if elsewhere else r
+        out.append(r)
+    return out
 
 
 # ----------------------------------------------------------- loops and branches

@@ -61,3 +61,14 @@ def test_bounded_and_cleared():
     assert 0 < len(_trace._TAPES) <= _trace._TAPES.max_entries
     tg.clear_caches()
     assert len(_trace._TAPES) == 0
+
+
+def test_a_new_literal_reuses_the_tape_with_its_value():
+    tapes = []
+    for c in (0.5, 2.0, -3.0):
+        f = lambda x: jnp.sum(jnp.tanh(x * c) ** 2)
+        tapes.append(tg.trace(f)(X))
+        _close(tg.grad(f)(X), jax.grad(f)(X))
+    mul = [r for r in tapes[0].records if r.primitive == "mul"][0].index
+    assert [float(t.records[mul].inputs[1].value) for t in tapes] == [0.5, 2.0, -3.0]
+    assert tapes[0].records[mul + 1] is tapes[2].records[mul + 1]  # no literal: shared

@@ -32,19 +32,22 @@ of rules/control.py, which calls `jax.vjp` of the whole call in backward.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tapegrad import _jax_compat as compat
 from tapegrad._caches import BoundedCache, array_bytes
 from tapegrad.rules._registry import Rule, defrule
 
-__all__ = ["expand_custom_jvp", "custom_jvp_rule_p"]
+__all__ = ["expand_custom_jvp", "custom_jvp_rule_p", "share_outputs"]
 
 Ref = tuple[str, int]
 
@@ -110,6 +113,10 @@ class Expansion:
     refs: tuple[Ref, ...]  # per residual: ("in", i) / ("out", j) / ("aux", k)
     linear: Linear
     call_params: Any  # the custom_jvp_call's own params (bound when not in backward)
+    # Per derived residual: (output j, comparison, literal) when it equals
+    # ``comparison(outputs[j], literal)`` (relu's mask ``x > 0`` is ``relu(x) > 0``),
+    # else None. See `share_outputs`.
+    from_output: tuple[Any, ...] = ()
 
     def __repr__(self) -> str:
         return "…"
@@ -151,7 +158,7 @@ def expand_custom_jvp(params, in_avals: Sequence[Any], source_info: Any = None):
         exp = _split(jaxpr, consts, out_zeros, nc, diff, len(out_avals))
     except _Unsplittable:
         return None
-    exp = Expansion(exp.primal, exp.refs, exp.linear, dict(params))
+    exp = Expansion(exp.primal, exp.refs, exp.linear, dict(params), exp.from_output)
     invars = [compat.Var(a) for a in in_avals]
     outvars = [compat.Var(a) for a in out_avals]
     eqn = compat.new_jaxpr_eqn(
@@ -276,7 +283,92 @@ def _split(jaxpr, consts, out_zeros, nc: int, diff: list[bool], n_out: int) -> E
         compat.new_jaxpr(lconst, kept + tangents, lin_outs, lin_eqns, "custom_jvp linear"),
         [const_vals[c] for c in lconst],
     )
-    return Expansion(primal, tuple(refs), _linear_for(lin, len(kept), nz_in, ct_of), None)
+    alts = tuple(_from_output(v, known, pouts) for v in derived)
+    return Expansion(primal, tuple(refs), _linear_for(lin, len(kept), nz_in, ct_of), None, alts)
+
+
+# A mask ``x > c`` equals ``max(x, c) > c`` (and ``x < c`` equals ``min(x, c) < c``), NaN
+# included (both sides False): so relu's mask can be read off relu's output.
+_MASK_OF = {"gt": "max", "lt": "min"}
+
+
+def _from_output(v, eqns: list, pouts: list) -> Any:
+    """``(j, comparison, literal)`` when derived residual ``v`` is ``comparison(x, c)``
+    and output j is ``max``/``min`` of the same ``x`` and ``c``; else None."""
+    made = {o: e for e in eqns for o in e.outvars}
+    e = made.get(v)
+    if e is None or e.primitive.name not in _MASK_OF or len(e.invars) != 2:
+        return None
+    x, c = e.invars
+    if isinstance(x, compat.Literal) or not isinstance(c, compat.Literal):
+        return None
+    for j, p in enumerate(pouts):
+        pe = _unwrap(made.get(p)) if not isinstance(p, compat.Literal) else None
+        if pe is None or pe.primitive.name != _MASK_OF[e.primitive.name]:
+            continue
+        a, b = pe.invars
+        lit = b if a is x else a if b is x else None
+        if isinstance(lit, compat.Literal) and _same_literal(lit, c):
+            return (j, e.primitive, c.val)
+    return None
+
+
+def _unwrap(eqn):
+    """The one equation a call computes (``relu``'s ``custom_jvp_call`` of ``jit`` of
+    ``max``), with the call's operands; the equation itself if not a call; None if a
+    call does more than one thing."""
+    for _ in range(8):
+        if eqn is None:
+            return None
+        name = eqn.primitive.name
+        if name != "custom_jvp_call" and name not in compat.INLINE_CALLS:
+            return eqn
+        sub = compat.sub_jaxpr(eqn.params)
+        if sub is None or sub.consts or len(sub.jaxpr.eqns) != 1:
+            return None
+        inner = sub.jaxpr.eqns[0]
+        if list(sub.jaxpr.outvars) != list(inner.outvars):
+            return None
+        env = dict(zip(sub.jaxpr.invars, eqn.invars))
+        ops = [v if isinstance(v, compat.Literal) else env.get(v) for v in inner.invars]
+        if any(v is None for v in ops):
+            return None
+        eqn = inner.replace(invars=ops, outvars=eqn.outvars)
+    return None
+
+
+def _same_literal(a, b) -> bool:
+    va, vb = np.asarray(a.val), np.asarray(b.val)
+    return a.aval == b.aval and va.shape == vb.shape and bool(np.all(va == vb))
+
+
+def share_outputs(rec, saved_elsewhere: set[int]):
+    """``rec`` keeping an output another record saves anyway instead of a residual
+    derivable from it (relu's mask from relu's output): one value fewer kept.
+
+    ``saved_elsewhere`` holds the ids of values other records save. Returns the record
+    unchanged when nothing is shared."""
+    exp: Expansion = rec.params["rule"]
+    if not exp.from_output or not rec.saves:
+        return rec
+    shared: dict[int, int] = {}
+    for s in rec.saves:
+        alt = exp.from_output[s.index] if s.kind == "aux" else None
+        if alt is not None and rec.outputs[alt[0]].id in saved_elsewhere:
+            shared[s.index] = alt[0]
+    if not shared:
+        return rec
+    saves, seen = [], set()
+    for s in rec.saves:
+        if s.kind == "aux" and s.index in shared:
+            j = shared[s.index]
+            o = rec.outputs[j]
+            s = type(s)("out", j, tuple(o.shape), o.dtype)
+        if s.ref not in seen:
+            seen.add(s.ref)
+            saves.append(s)
+    params = dict(rec.params) | {"from_output": tuple(sorted(shared.items()))}
+    return dataclasses.replace(rec, saves=tuple(saves), params=MappingProxyType(params))
 
 
 def _needed(eqns: list, wanted: list) -> list:
@@ -409,7 +501,8 @@ def _vjp(p, r, cts, active):
     if not any(act):
         return out
     jaxpr, res_used, cts_used = _pruned(lin, act)
-    args = [_residual(r, exp.refs[k]) for k in res_used]
+    shared = dict(p.get("from_output", ()))
+    args = [_residual(r, exp, exp.refs[k], shared) for k in res_used]
     for k in cts_used:
         j = lin.ct_of[k]
         g = cts[j]
@@ -424,12 +517,16 @@ def _vjp(p, r, cts, active):
     return out
 
 
-def _residual(r, ref: Ref):
+def _residual(r, exp: Expansion, ref: Ref, shared: dict[int, int]):
     kind, i = ref
     if kind == "in":
         return r.x[i]
     if kind == "out":
         return r.y[i]
+    if i in shared:  # derived again from the output kept in its place (`share_outputs`)
+        j, compare, lit = exp.from_output[i]
+        y = r.y[j]
+        return compare.bind(y, jnp.asarray(lit, y.dtype))
     return r.aux[i]
 
 

@@ -396,15 +396,25 @@ def _relu_records(tape):
     return [r for r in tape.records if r.params.get("name") == "relu"]
 
 
-def test_relu_records_keep_a_bool_mask():
+def test_relu_records_keep_a_bool_mask_or_share_their_output():
     ws, x = _mlp_args(width=32, depth=4, batch=8)
     tape = tg.trace(_relu_mlp, argnums=(0, 1))(ws, x)
     relus = _relu_records(tape)
     assert len(relus) == len(ws)
     assert not any(r.rule in ("custom_jvp", "fallback") for r in tape.records)
-    for r in relus:
+    for r in relus[:-1]:
+        # The next matmul keeps this relu's output: the mask (x > 0 == relu(x) > 0) is
+        # read off it in backward, so the relu keeps nothing of its own.
         assert r.primitive == "custom_jvp_rule" and r.rule == "linearized"
-        assert [(s.kind, s.shape, s.dtype) for s in r.saves] == [("aux", (8, 32), np.dtype(bool))]
+        assert [(s.kind, s.shape, s.dtype) for s in r.saves] == [
+            ("out", (8, 32), np.dtype("float32"))
+        ]
+        nxt = next(q for q in tape.records if q.index > r.index and q.primitive == "dot_general")
+        assert r.outputs[0] in [nxt.inputs[s.index] for s in nxt.saves if s.kind == "in"]
+    # The last relu's output is only summed: nobody keeps it, a bool mask is smaller.
+    assert [(s.kind, s.shape, s.dtype) for s in relus[-1].saves] == [
+        ("aux", (8, 32), np.dtype(bool))
+    ]
 
 
 def test_residuals_that_are_inputs_or_outputs_are_shared():
