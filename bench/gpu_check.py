@@ -1,7 +1,8 @@
 """What only an accelerator shows: run on a GPU machine, prints one block per check.
 
-1. offload() under jax.jit: device vs host bytes of the compiled step (memory_analysis) and
-   step time vs save(), on the 32-layer MLP and a 6-block transformer stack.
+1. offload(inputs=True), then offload() (activations only), under jax.jit: device vs host
+   bytes of the compiled step (memory_analysis) and step time vs save(), on the 32-layer MLP
+   and a 6-block transformer stack.
 2. Recompute survives XLA's CSE: sine ops in the *compiled* (optimized) HLO with and without
    per-layer tg.checkpoint (on CPU XLA drops the barrier; the GPU pipeline is what matters).
 3. jit step time of tg.grad vs jax.grad.
@@ -94,7 +95,7 @@ def main():
     )
     for name, f, args in cases:
         g_save = jax.jit(tg.grad(f, policy=tg.policies.save()))
-        g_off = jax.jit(tg.grad(f, policy=tg.policies.offload()))
+        g_off = jax.jit(tg.grad(f, policy=tg.policies.offload(inputs=True)))
         g_jax = jax.jit(jax.grad(f))
         ref = g_save(*args)
         got = g_off(*args)
@@ -104,7 +105,7 @@ def main():
         )
         ms, mo, mj = (
             mem(tg.grad(f, policy=tg.policies.save()), *args),
-            mem(tg.grad(f, policy=tg.policies.offload()), *args),
+            mem(tg.grad(f, policy=tg.policies.offload(inputs=True)), *args),
             mem(jax.grad(f), *args),
         )
         ts, to, tj = timeit(g_save, *args), timeit(g_off, *args), timeit(g_jax, *args)
@@ -119,11 +120,11 @@ def main():
             f"offload {to * 1e3:.3f} ({to / ts:.2f}x save)  max|offload-save| {err:.1e}"
         )
         # Only activations move: the function's inputs are held by the caller anyway.
-        act_only = tg.policies.offload(inputs=False)
+        act_only = tg.policies.offload()  # the default: activations only
         ma = mem(tg.grad(f, policy=act_only), *args)
         ta = timeit(jax.jit(tg.grad(f, policy=act_only)), *args)
         print(
-            f"{name:14s} offload(inputs=False): temp device/host MiB {ma[0] / 2**20:.1f}/"
+            f"{name:14s} offload(): temp device/host MiB {ma[0] / 2**20:.1f}/"
             f"{ma[1] / 2**20:.1f}, jit step ms {ta * 1e3:.3f} ({ta / ts:.2f}x save)"
         )
 

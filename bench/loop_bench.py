@@ -67,8 +67,8 @@ class Model:
 
 POLICIES = {
     "save": P.save,
-    "offload": P.offload,
-    "offload-in": lambda: P.offload(inputs=False),  # activations only
+    "offload": lambda: P.offload(inputs=True),  # the inputs too
+    "offload-in": P.offload,  # activations only (the default)
     "bf16": lambda: P.compress(jnp.bfloat16),
 }
 
@@ -271,8 +271,8 @@ SUMMARY_COLUMNS = [
     ("eager", "eager tg/jax"),
     ("jax", "jax.vjp B"),
     ("save", "tg save() B"),
-    ("offload", "offload()"),
-    ("offload-in", "offload(inputs=False)"),
+    ("offload", "offload(inputs=True)"),
+    ("offload-in", "offload()"),
     ("bf16", "compress(bf16) B"),
     ("tape", "tg.trace saved_bytes / own count"),
 ]

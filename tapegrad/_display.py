@@ -712,17 +712,34 @@ def _report_body_label(r, rec, b: int, rows: list) -> tuple[str, str]:
 
 
 def report_head(rep) -> list[str]:
+    """The headline (what backward holds beyond the caller's inputs, and its peak), then
+    the inputs' bytes, the split by kind and the peak with the inputs."""
     lines = [clip(f"memory_report(policy={rep.policy!r}):", WIDTH)]
     comp = sum(r.compressed_bytes for r in rep.records)
+    beyond = rep.residual_bytes - rep.input_bytes
+    peak_beyond = getattr(rep, "peak_beyond_inputs_bytes", rep.peak_bytes - rep.input_bytes)
     lines.append(
         clip(
-            f"  residuals {rep.residual_bytes:,} B: device {rep.device_bytes:,}, host "
-            f"{rep.host_bytes:,}, compressed {comp:,}; the inputs themselves "
-            f"{rep.input_bytes:,}",
+            f"  backward holds {beyond:,} B beyond the inputs; peak {peak_beyond:,} B "
+            "beyond the inputs",
             WIDTH,
         )
     )
-    tail = f"  peak {rep.peak_bytes:,} B live over forward + backward"
+    lines.append(
+        clip(
+            f"  + the inputs themselves {rep.input_bytes:,} B, kept as they are (the caller "
+            f"holds them) = {rep.residual_bytes:,} B",
+            WIDTH,
+        )
+    )
+    lines.append(
+        clip(
+            f"  residuals by kind: device {rep.device_bytes:,}, host {rep.host_bytes:,}, "
+            f"compressed {comp:,} (of those)",
+            WIDTH,
+        )
+    )
+    tail = f"  peak {rep.peak_bytes:,} B live over forward + backward, the inputs included"
     if rep.budget_bytes is not None:
         tail += f"; budget {rep.budget_bytes:,} B (inputs not counted)"
     lines.append(clip(tail, WIDTH))
@@ -908,23 +925,37 @@ def report_html(rep) -> str:
 
     comp = sum(r.compressed_bytes for r in rows)
     n_re = sum(r.decision == "recompute" for r in tape.records) if tape is not None else 0
+    beyond = rep.residual_bytes - rep.input_bytes
+    peak_beyond = getattr(rep, "peak_beyond_inputs_bytes", rep.peak_bytes - rep.input_bytes)
     totals = [
         stat("policy", clip(repr(rep.policy), 60), "policy"),
+        stat(
+            "held beyond the inputs",
+            beyond,
+            "beyond_inputs_bytes",
+            human_bytes(beyond),
+        ),
+        stat(
+            "peak beyond the inputs",
+            peak_beyond,
+            "peak_beyond_inputs_bytes",
+            human_bytes(peak_beyond),
+        ),
+        stat("the inputs themselves", rep.input_bytes, "input_bytes", "the caller holds them"),
         stat(
             "residual bytes", rep.residual_bytes, "residual_bytes", human_bytes(rep.residual_bytes)
         ),
         stat("device", rep.device_bytes, "device_bytes"),
         stat("host", rep.host_bytes, "host_bytes"),
         stat("compressed", comp, "compressed_bytes"),
-        stat("the inputs themselves", rep.input_bytes, "input_bytes"),
-        stat("peak live", rep.peak_bytes, "peak_bytes", human_bytes(rep.peak_bytes)),
+        stat("peak live", rep.peak_bytes, "peak_bytes", "inputs included"),
         stat("records keeping residuals", len(rows), "rows"),
         stat("records recomputed", n_re, "recompute"),
         stat("recompute MFLOP", f"{rep.recompute_flops / 1e6:,.2f}", "recompute_flops"),
     ]
     loop_bytes = sum(x.bytes for r in rows for x in r.body)
     if loop_bytes or any(r.body for r in rows):
-        totals.insert(5, stat("in loop/branch bodies", loop_bytes, "loop_bytes", "all steps held"))
+        totals.insert(8, stat("in loop/branch bodies", loop_bytes, "loop_bytes", "all steps held"))
     if rep.plan:
         totals.append(stat("planner chose", rep.plan, "plan"))
     if rep.budget_bytes is not None:

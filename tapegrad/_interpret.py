@@ -26,7 +26,7 @@ from tapegrad._fused import NoKey, value_key
 from tapegrad._loops import loop_backward, loop_forward
 from tapegrad._tape import Lit, Record, Saved, Segment, Tape, Var, as_dtype
 from tapegrad.errors import ResidualError, where
-from tapegrad.policies._base import SAVE, ResidualInfo, is_plain
+from tapegrad.policies._base import SAVE, ResidualInfo, is_plain, packs_inputs
 from tapegrad.rules import FALLBACK, Res, lookup
 
 __all__ = ["Residuals", "forward", "backward"]
@@ -295,6 +295,8 @@ def forward(
 def _pack(res: Residuals, rec: Record, key, s, value):
     info = ResidualInfo(rec, s, s.shape, s.dtype, key in res.input_ids, res.loops)
     res.infos[key] = info
+    if info.is_input and not packs_inputs(res.policy):
+        return value  # the caller holds it: a packed copy would add memory and free none
     try:
         return res.policy.pack(value, info)
     except Exception as e:
@@ -339,7 +341,7 @@ def _fit(ct, var, rec: Record, i: int):
 
 def _unpack(res: Residuals, rec: Record, key, s):
     packed = res.store[key]
-    if res.plain or key in res.raw:
+    if res.plain or key in res.raw or (res.infos[key].is_input and not packs_inputs(res.policy)):
         value = packed
     else:
         info = res.infos[key]

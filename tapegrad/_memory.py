@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,15 +19,16 @@ from typing import Any
 import jax
 from jax import tree_util
 
+from tapegrad import _jax_compat as compat
 from tapegrad._checkpoint import segment_peak
 from tapegrad._display import short_source
 from tapegrad._interpret import forward
 from tapegrad._loops import _Segmented, _Stored, forwarded_ids
-from tapegrad._tape import Record, Tape, as_dtype, loop_bytes
+from tapegrad._tape import Lit, Record, Tape, as_dtype, itemsize, loop_bytes
 from tapegrad.policies._base import is_plain, resolve_policy
 from tapegrad.policies.budget import Budget, segment_flops
 
-__all__ = ["MemoryReport", "RecordMemory", "memory_report"]
+__all__ = ["MemoryReport", "RecordMemory", "UnseenBackward", "memory_report"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,16 +77,41 @@ class RecordMemory:
             yield from r.walk()
 
 
+@dataclass(frozen=True, slots=True)
+class UnseenBackward:
+    """A record whose backward runs `jax.vjp` (a fallback rule, a custom_jvp call that
+    could not be split, a checkpoint call): jax makes and frees residuals inside that
+    call, out of the report's sight. ``bytes`` is an estimate of them, from jax's own
+    residual shapes for the record's primitive (`vjp_residual_bytes`), for one run;
+    ``steps`` is how many body runs a record inside a loop is differentiated for (one
+    at a time)."""
+
+    index: int
+    primitive: str
+    source: str
+    rule: str
+    bytes: int
+    steps: int = 1
+    where: str = ""  # "" at the top level, else " (in #3's body)" and the like
+
+
 @dataclass(frozen=True)
 class MemoryReport:
     """Residual memory of one forward/backward under a policy.
 
-    * ``residual_bytes``: total packed residual bytes held at the end of forward;
-    * ``device_bytes`` / ``host_bytes``: the same, split by memory kind;
-    * ``input_bytes``: the part of it that *is* the function's own inputs (kept
-      as they are, so alive anyway);
+    The headline is what backward holds *beyond* the function's inputs (which the
+    caller holds anyway, whatever is saved):
+
+    * ``beyond_inputs_bytes``: residual bytes held at the end of forward that are not
+      the caller's own arrays: what a forward/backward adds to the caller's memory;
+    * ``peak_beyond_inputs_bytes``: the peak of that over forward and backward
+      (unpacked copies, recomputed values and `unseen` estimates included);
+    * ``input_bytes``: residuals that *are* the function's own inputs, kept as they
+      are (a policy leaves them alone unless told ``inputs=True``);
+    * ``residual_bytes``: the two together, every packed residual byte held at the end
+      of forward; ``device_bytes`` / ``host_bytes``: the same, split by memory kind;
     * ``peak_bytes``: peak of live residual bytes (packed + unpacked device copies)
-      over forward and backward;
+      over forward and backward, the inputs included;
     * ``timeline``: ``(step, live bytes)`` after each record, forward then backward
       (a loop record's backward adds a ``"bwd i step"`` point: its stored steps plus
       one step's unpacked copies, under a policy that unpacks);
@@ -92,8 +119,9 @@ class MemoryReport:
       counts its per-step residuals over every step held (read off the arrays the run
       stacked or kept per step; eagerly a cond holds the branch taken), and lists its
       body records' rows in ``row.body`` (``rows()`` walks them all);
-    * ``notes``: what the report cannot see (a fallback's or custom_jvp's backward
-      that runs `jax.vjp`, whose internal residuals are not counted).
+    * ``unseen``: records whose backward runs `jax.vjp`, with an estimate of the
+      residuals jax makes inside it (counted in the peaks as a transient while that
+      record's backward runs), and ``notes``, one line per such source line.
     """
 
     policy: Any
@@ -120,8 +148,20 @@ class MemoryReport:
     recompute_flops: float = 0.0
     plan: str | None = None
     # What the report cannot see, one line each: records whose backward runs jax.vjp
-    # (fallback rules, custom_jvp calls), whose internal residuals are not counted.
+    # (fallback rules, custom_jvp calls), with the estimate of their internal residuals.
     notes: tuple[str, ...] = ()
+    peak_beyond_inputs_bytes: int = 0
+    unseen: tuple[UnseenBackward, ...] = ()
+
+    @property
+    def beyond_inputs_bytes(self) -> int:
+        """Residual bytes held after forward that are not the caller's own arrays."""
+        return self.residual_bytes - self.input_bytes
+
+    @property
+    def unseen_bytes(self) -> int:
+        """The largest estimate among `unseen` (their backwards run one at a time)."""
+        return max((u.bytes for u in self.unseen), default=0)
 
     def rows(self):
         """Every row, body rows after their loop/branch record's row (depth first)."""
@@ -541,27 +581,116 @@ def _segment_transient(rec: Record) -> int:
 _OPAQUE_RULES = ("fallback", "custom_jvp", "checkpoint")
 
 
-def _notes(tape: Tape) -> tuple[str, ...]:
-    """One note per (primitive, source line) whose backward the report cannot see into."""
-    groups: dict[tuple[str, str], list[str]] = {}
+def _aval_bytes(aval: Any) -> int:
+    shape = getattr(aval, "shape", ())
+    return math.prod(shape) * itemsize(aval.dtype)
 
-    def visit(t: Tape, where: str) -> None:
+
+def vjp_residual_bytes(rec: Record) -> int:
+    """Bytes of the residuals `jax.vjp` keeps for one run of ``rec``'s primitive, less
+    the record's own inputs (it saves those itself, and the report counts them): what
+    the backward of a record that runs `jax.vjp` (rule ``fallback``, ``custom_jvp``,
+    ``checkpoint``) materializes on top of what the report sees. Found abstractly, from
+    `jax.make_jaxpr` of the same `jax.vjp` call the rule makes, on the record's avals:
+    the output variables of the residual pytree that are not input variables."""
+    from tapegrad.rules.control import _bind
+
+    var_pos = [i for i, v in enumerate(rec.inputs) if not isinstance(v, Lit)]
+    active = [i for i, a in enumerate(rec.active) if a and i in var_pos]
+
+    def residuals(*vals):
+        full: list[Any] = [v.value if isinstance(v, Lit) else None for v in rec.inputs]
+        for i, x in zip(var_pos, vals):
+            full[i] = x
+
+        def f(*act):
+            args = list(full)
+            for i, x in zip(active, act):
+                args[i] = x
+            return _bind(rec, args)
+
+        _, vjp_fn = jax.vjp(f, *[full[i] for i in active])
+        return tree_util.tree_leaves(vjp_fn)
+
+    avals = [jax.ShapeDtypeStruct(rec.inputs[i].shape, rec.inputs[i].dtype) for i in var_pos]
+    jaxpr = jax.make_jaxpr(residuals)(*avals).jaxpr
+    inputs = set(jaxpr.invars) | set(jaxpr.constvars)
+    seen: set[Any] = set()
+    total = 0
+    for v in jaxpr.outvars:
+        if isinstance(v, compat.Literal):  # a constant jax keeps (a fresh array eagerly)
+            total += _aval_bytes(v.aval)
+        elif v not in inputs and v not in seen:
+            seen.add(v)
+            total += _aval_bytes(v.aval)
+    return total
+
+
+def _unseen(tape: Tape) -> list[tuple[int, UnseenBackward]]:
+    """Every record (bodies included) whose backward runs jax.vjp, with its estimate,
+    each beside the index of the top-level record it runs in (itself, or its loop)."""
+    out: list[tuple[int, UnseenBackward]] = []
+    cache: dict[Any, int] = {}
+
+    def estimate(rec: Record) -> int:
+        try:
+            key: Any = (
+                rec.primitive,
+                tuple((v.shape, str(v.dtype), isinstance(v, Lit)) for v in rec.inputs),
+                rec.active,
+                hash(tuple(sorted(rec.params.items()))),
+            )
+        except TypeError:  # unhashable params (sub-programs): no sharing
+            key = ("record", id(rec))
+        if key not in cache:
+            try:
+                cache[key] = vjp_residual_bytes(rec)
+            except Exception:  # jax cannot say abstractly: -1 means unknown
+                cache[key] = -1
+        return cache[key]
+
+    def visit(t: Tape, where: str, steps: int, top: int | None) -> None:
         for rec in t.records:
+            at = rec.index if top is None else top
             if rec.rule in _OPAQUE_RULES:
-                src = short_source(rec.short_source, 60)
-                groups.setdefault((rec.primitive, src), []).append(f"#{rec.index}{where}")
+                u = UnseenBackward(
+                    rec.index, rec.primitive, rec.source, rec.rule, estimate(rec), steps, where
+                )
+                out.append((at, u))
             for b, body in enumerate(rec.bodies):
                 part = f"branch {b}" if rec.primitive == "cond" else "body"
-                visit(body, f" (in #{rec.index}'s {part}{where.replace(' (in', ',')})")
+                visit(
+                    body,
+                    f" (in #{rec.index}'s {part}{where.replace(' (in', ',')})",
+                    steps * rec.trip_count,
+                    at,
+                )
 
-    visit(tape, "")
+    visit(tape, "", 1, None)
+    return out
+
+
+def _notes(unseen: Sequence[UnseenBackward]) -> tuple[str, ...]:
+    """One note per (primitive, source line) whose backward the report cannot see into."""
+    groups: dict[tuple[str, str], list[UnseenBackward]] = {}
+    for u in unseen:
+        src = short_source(u.source, 60)
+        groups.setdefault((u.primitive, src), []).append(u)
     notes = []
-    for (prim, src), who in groups.items():
+    for (prim, src), us in groups.items():
+        who = [f"#{u.index}{u.where}" for u in us]
         shown = ", ".join(who[:3]) + (f" and {len(who) - 3} more" if len(who) > 3 else "")
-        notes.append(
-            f"backward of {prim} {shown} at {src} runs jax.vjp: its internal residuals "
-            "are not counted"
-        )
+        sizes = sorted({u.bytes for u in us})
+        if sizes[0] < 0:
+            what = "an unknown amount of residuals (jax could not say abstractly)"
+        else:
+            top = f"{sizes[-1]:,}" if len(sizes) == 1 else f"{sizes[0]:,}–{sizes[-1]:,}"
+            each = " each" if len(us) > 1 else ""
+            what = (
+                f"about {top} B of residuals{each}, from jax.vjp's residual shapes "
+                "(counted in the peak while it runs)"
+            )
+        notes.append(f"backward of {prim} {shown} at {src} runs jax.vjp: it makes {what}")
     return tuple(notes)
 
 
@@ -598,9 +727,27 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
         for i, b in enumerate(kind_of.get(key, (0, 0, 0))):
             lk[i] += sign * b
 
+    # Bytes of each kept value that are the caller's own arrays (an input kept as it is,
+    # a loop's initial carry): alive before the call and after it, whatever is saved.
+    arg_ids = {id(a) for a in args}
+    caller: dict[Any, int] = {}
+    for k in sizes:
+        v = res.store[k]
+        if _is_loop_store(v):
+            n = sum(a.nbytes for a in _arrays(v) if id(a) in arg_ids)
+        else:
+            n = sizes[k] if any(id(x) in arg_ids for x in tree_util.tree_leaves(v)) else 0
+        if n:
+            caller[k] = n
+    unseen = _unseen(tape)
+    unseen_at: dict[int, int] = {}  # top-level record -> largest estimate run within it
+    for at, u in unseen:
+        unseen_at[at] = max(unseen_at.get(at, 0), u.bytes)
+
     timeline = []
     timeline_kinds = []
     live = sum(sizes[k] for k in sizes if isinstance(k, int) and k in input_ids)
+    caller_live = sum(caller.get(k, 0) for k in sizes if isinstance(k, int) and k in input_ids)
     for k in sizes:
         if isinstance(k, int) and k in input_ids:
             add_kind(k)
@@ -609,6 +756,7 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
         for key in by_rec.get(rec.index, ()):
             if not (isinstance(key, int) and key in input_ids):
                 live += sizes[key]
+                caller_live += caller.get(key, 0)
                 add_kind(key)
         timeline.append((f"fwd {rec.index}", live))
         timeline_kinds.append((lk[0], lk[1], lk[2]))
@@ -616,13 +764,20 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
     remaining = dict(res.refs)
     extra: dict[Any, int] = {}  # unpacked device copies and recomputed values, per key
     peak = live
+    peak_beyond = live - caller_live
+
+    def reach(total: int) -> None:
+        nonlocal peak, peak_beyond
+        peak = max(peak, total)
+        peak_beyond = max(peak_beyond, total - caller_live)
 
     def release(key):
-        nonlocal live
+        nonlocal live, caller_live
         remaining[key] -= 1
         if remaining[key] == 0:
             copy = extra.pop(key, 0)
             live -= sizes.get(key, 0) + copy
+            caller_live -= caller.get(key, 0)
             add_kind(key, -1)
             lk[0] -= copy
 
@@ -638,7 +793,7 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
                 transient = segment_peak(tape, seg)
                 if not plain:
                     transient += sum(v.nbytes for v in seg.inputs)
-                peak = max(peak, live + transient)
+                reach(live + transient)
                 for o in seg.outputs:
                     extra[o.id] = o.nbytes
                     live += o.nbytes
@@ -652,7 +807,7 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
                             lk[0] += a.nbytes
                 for v in seg.inputs:
                     release(v.id)
-            elif not plain and key in sizes:
+            elif not plain and key in sizes and caller.get(key, 0) < sizes[key]:
                 extra[key] = s_.nbytes  # the device copy unpack brings back
                 live += s_.nbytes
                 lk[0] += s_.nbytes
@@ -660,26 +815,27 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
             # A loop's stacked residuals stay until its backward ends; each step unpacks
             # its own residuals (device copies) on top of them, and a checkpointed scan
             # recomputes one segment's residuals first.
+            # jax.vjp inside a body record's backward runs one step at a time too.
             step = (0 if plain else _step_transient(rec)) + _segment_transient(rec)
+            step += max(unseen_at.get(rec.index, 0), 0)
             if step:
-                peak = max(peak, live + step)
+                reach(live + step)
                 timeline.append((f"bwd {rec.index} step", live + step))
                 timeline_kinds.append((lk[0] + step, lk[1], lk[2]))
-        peak = max(peak, live)
+        elif unseen_at.get(rec.index, 0) > 0:
+            # jax.vjp's residuals for this record, made and freed inside its backward.
+            est = unseen_at[rec.index]
+            reach(live + est)
+            timeline.append((f"bwd {rec.index} jax.vjp", live + est))
+            timeline_kinds.append((lk[0] + est, lk[1], lk[2]))
+        reach(live)
         for key in keys:
             release(key)
         timeline.append((f"bwd {rec.index}", live))
         timeline_kinds.append((lk[0], lk[1], lk[2]))
     dev_total = sum(a[0] for a in sizes_acc.values())
     host_total = sum(a[1] for a in sizes_acc.values())
-    arg_ids = {id(a) for a in args}
-    input_total = 0
-    for k in sizes:
-        v = res.store[k]
-        if _is_loop_store(v):  # a loop's initial carry can be an input
-            input_total += sum(a.nbytes for a in _arrays(v) if id(a) in arg_ids)
-        elif any(id(leaf) in arg_ids for leaf in tree_util.tree_leaves(v)):
-            input_total += sizes[k]
+    input_total = sum(caller.values())
     planner = _planner_of(policy)
     return MemoryReport(
         policy,
@@ -696,7 +852,9 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
         planner.bytes if planner is not None else None,
         sum(segment_flops(tape, seg) for seg in tape.segments),
         planner.last.get("plan") if planner is not None else None,
-        _notes(tape),
+        _notes([u for _, u in unseen]),
+        peak_beyond,
+        tuple(u for _, u in unseen),
     )
 
 
@@ -714,9 +872,13 @@ def memory_report(fun: Callable, argnums: int | Sequence[int] = 0, *, policy: An
 
     ```python
     rep = tg.memory_report(loss, policy=tg.policies.offload())(params, x)
-    rep.device_bytes, rep.host_bytes, rep.peak_bytes
+    rep.beyond_inputs_bytes, rep.peak_beyond_inputs_bytes  # what backward adds
+    rep.input_bytes, rep.device_bytes, rep.host_bytes, rep.peak_bytes
     ```
-    Runs eagerly (the point is to look at real arrays).
+    Runs eagerly (the point is to look at real arrays). The headline is what backward
+    holds beyond the function's inputs, which the caller holds anyway; records whose
+    backward runs `jax.vjp` are listed in ``rep.unseen`` with an estimate of what jax
+    makes inside it.
     """
     from tapegrad._transforms import _argnums_tuple, _leaf_owners, _Traced
 

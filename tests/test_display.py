@@ -286,7 +286,11 @@ def test_str_folds_a_2000_record_tape(deep, deep_tape):
     rep = tg.memory_report(chain, policy=P.offload())(*deep)
     lines = _check_width(str(rep))
     assert len(lines) < 30 and "offload" in lines[0]
-    assert f"{rep.residual_bytes:,}" in lines[1] and f"{rep.peak_bytes:,}" in lines[2]
+    # the headline: what backward holds beyond the inputs, and its peak; then the inputs
+    assert f"{rep.beyond_inputs_bytes:,} B beyond" in lines[1]
+    assert f"peak {rep.peak_beyond_inputs_bytes:,} B beyond" in lines[1]
+    assert f"{rep.input_bytes:,}" in lines[2] and f"{rep.residual_bytes:,}" in lines[2]
+    assert f"{rep.peak_bytes:,}" in lines[4]
 
 
 # ------------------------------------------------------------------ loops and branches
@@ -462,7 +466,9 @@ def _lines(ax) -> dict[str, object]:
 def test_plot_draws_one_line_per_memory_kind(small):
     ws, x = small
     pol = P.route(
-        lambda i: P.offload() if i.primitive == "dot_general" else P.compress(jnp.bfloat16)
+        lambda i: (
+            P.offload(inputs=True) if i.primitive == "dot_general" else P.compress(jnp.bfloat16)
+        )
     )
     rep = tg.memory_report(mlp, policy=pol)(ws, x)
     fig, axs = plt.subplots(1, 2)

@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
     "current_policy",
     "saved_tensors_hooks",
     "disable_saved_tensors_hooks",
+    "packs_inputs",
 ]
 
 
@@ -41,7 +44,8 @@ class ResidualInfo:
     shape: tuple[int, ...]
     dtype: np.dtype
     # The value is one of the traced function's own inputs (or a closed-over constant):
-    # the caller holds it anyway, so moving or compressing it frees no memory.
+    # the caller holds it anyway, so moving or compressing it frees no memory. Only
+    # policies that opt in (``inputs = True``, see `packs_inputs`) are given such values.
     is_input: bool = False
     # The loop records (scan) this residual's record runs inside, outermost first: the
     # residual is packed once per step, `trip_count` times in all.
@@ -117,6 +121,37 @@ def is_plain(policy: Any) -> bool:
     return policy is SAVE
 
 
+def packs_inputs(policy: Any) -> bool:
+    """Whether ``policy`` wants the residuals that are the function's own inputs packed.
+
+    The caller holds its inputs (weights, the batch) until backward anyway, so moving or
+    shrinking one adds a copy and frees nothing: policies never add memory by default.
+    The interpreter hands an input to ``pack`` only when the policy says ``inputs =
+    True``: `offload(inputs=True)`, `compress(..., inputs=True)`, `hooks` /
+    `saved_tensors_hooks` (PyTorch calls pack hooks on every saved tensor) and `route`
+    (its function sees every residual; the policy it picks decides). A wrapper
+    (`budget`, `tg.selective`, `scan_checkpoint`) answers with its ``base``; a custom
+    policy without the attribute is never given an input (``info.is_input`` is False
+    for everything it packs).
+    """
+    for _ in range(8):  # wrappers keep the policy they wrap in ``base``
+        flag = getattr(policy, "inputs", None)
+        if flag is not None:
+            return bool(flag)
+        policy = getattr(policy, "base", None)
+        if policy is None:
+            break
+    return False
+
+
+def as_array(value: Any, info: ResidualInfo) -> Any:
+    """``value`` as a jax array of the residual's dtype: an input given as a Python or
+    numpy scalar or a numpy array reaches ``pack`` as the caller passed it."""
+    if isinstance(value, jax.Array):
+        return value
+    return jnp.asarray(value, dtype=info.dtype)
+
+
 def save() -> Save:
     """The default policy: keep every residual on device, unchanged."""
     return SAVE
@@ -165,15 +200,20 @@ def residual_policy(policy: Any) -> Iterator[Any]:
         _POLICY.reset(token)
 
 
-def saved_tensors_hooks(pack_hook: Callable[[Any], Any], unpack_hook: Callable[[Any], Any]):
+def saved_tensors_hooks(
+    pack_hook: Callable[[Any], Any], unpack_hook: Callable[[Any], Any], *, inputs: bool = True
+):
     """PyTorch's ``torch.autograd.graph.saved_tensors_hooks``: ``pack_hook(array) -> Any``,
     ``unpack_hook(Any) -> array``, applied to every residual saved in the scope.
 
-    Under `jax.jit` the hooks run once, at trace time, on tracers.
+    As in PyTorch, the hooks also see residuals that are the function's own inputs
+    (``inputs=False`` leaves those alone: the caller holds them anyway, so a hook that
+    copies them only adds memory). Under `jax.jit` the hooks run once, at trace time,
+    on tracers.
     """
     from tapegrad.policies.hooks import hooks
 
-    return residual_policy(hooks(pack_hook, unpack_hook))
+    return residual_policy(hooks(pack_hook, unpack_hook, inputs=inputs))
 
 
 @contextlib.contextmanager

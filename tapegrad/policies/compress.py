@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tapegrad.policies._base import as_array
+
 __all__ = ["Compress", "compress", "Int8", "Int8Blocks", "DEFAULT_BLOCK_SIZE"]
 
 DEFAULT_BLOCK_SIZE = 16
@@ -152,7 +154,12 @@ def _unpack_scaled(packed: Int8, dtype):
 
 
 class Compress:
-    def __init__(self, dtype: Any, axis: int | None = None, block_size: Any = "auto"):
+    """Floating residuals stored in ``dtype`` (or int8 blocks); see `compress`."""
+
+    def __init__(
+        self, dtype: Any, axis: int | None = None, block_size: Any = "auto", inputs: bool = False
+    ):
+        self.inputs = bool(inputs)
         self.int8 = isinstance(dtype, str) and dtype == "int8"
         self.dtype: Any = None if self.int8 else np.dtype(dtype)
         self.axis = axis
@@ -184,6 +191,8 @@ class Compress:
         self.block_size = block_size
 
     def _applies(self, info) -> bool:
+        if info.is_input and not self.inputs:
+            return False  # the caller holds it: a compressed copy would only add bytes
         dt = info.dtype
         if not isinstance(dt, np.dtype) or not jnp.issubdtype(dt, jnp.floating):
             return False
@@ -193,6 +202,7 @@ class Compress:
     def pack(self, value, info):
         if not self._applies(info):
             return value
+        value = as_array(value, info)  # an input may be a Python or numpy scalar
         if not self.int8:
             if jnp.issubdtype(self.dtype, jnp.floating) and self.dtype.itemsize == 1:
                 # float8 has no inf; saturate instead of overflowing to NaN.
@@ -219,10 +229,14 @@ class Compress:
             extra = f", axis={self.axis}"
         elif self.int8 and self.block_size != DEFAULT_BLOCK_SIZE:
             extra = f", block_size={self.block_size}"
+        if self.inputs:
+            extra += ", inputs=True"
         return f"compress({name!r}{extra})"
 
 
-def compress(dtype: Any, axis: int | None = None, *, block_size: Any = "auto") -> Compress:
+def compress(
+    dtype: Any, axis: int | None = None, *, block_size: Any = "auto", inputs: bool = False
+) -> Compress:
     """Store floating residuals in a smaller format; backward gets the original dtype back.
 
     ``dtype`` is ``jnp.bfloat16``, ``jnp.float16``, ``jnp.float8_e4m3fn`` (a cast) or
@@ -232,8 +246,12 @@ def compress(dtype: Any, axis: int | None = None, *, block_size: Any = "auto") -
     that axis instead, ``block_size=None`` one scale per tensor (exactly 0.25x, less
     accurate: see `tapegrad.policies.compress`'s module notes).
 
+    Residuals that are the function's own inputs (weights, the batch) are kept as they
+    are: the caller holds them anyway, so a compressed copy would add bytes, not save
+    them. ``inputs=True`` compresses them too (backward then sees their rounded values).
+
     ```python
     tg.grad(loss, policy=tg.policies.compress("int8"))(w, x)
     ```
     """
-    return Compress(dtype, axis, block_size)
+    return Compress(dtype, axis, block_size, inputs)

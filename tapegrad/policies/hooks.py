@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tapegrad.policies._base import ResidualInfo
+from tapegrad.policies._base import ResidualInfo, as_array, packs_inputs
 
 __all__ = ["Hooks", "hooks", "Route", "route"]
 
@@ -13,38 +13,62 @@ __all__ = ["Hooks", "hooks", "Route", "route"]
 class Hooks:
     """Arbitrary ``pack(array) -> Any`` / ``unpack(Any) -> array`` callables."""
 
-    def __init__(self, pack: Callable[[Any], Any], unpack: Callable[[Any], Any]):
+    def __init__(
+        self, pack: Callable[[Any], Any], unpack: Callable[[Any], Any], inputs: bool = True
+    ):
         if not callable(pack) or not callable(unpack):
             raise TypeError(
                 "hooks(pack, unpack): both hooks must be callables, got "
                 f"{type(pack).__name__} and {type(unpack).__name__}."
             )
         self.pack_hook, self.unpack_hook = pack, unpack
+        self.inputs = bool(inputs)
+
+    def _skips(self, info) -> bool:
+        return info.is_input and not self.inputs
 
     def pack(self, value, info):
-        return self.pack_hook(value)
+        if self._skips(info):
+            return value
+        # As in PyTorch, a hook always gets an array, also for an input given as a
+        # Python or numpy scalar.
+        return self.pack_hook(as_array(value, info))
 
     def unpack(self, packed, info):
+        if self._skips(info):
+            return packed
         return self.unpack_hook(packed)
 
     def __repr__(self) -> str:
         names = (getattr(h, "__name__", "?") for h in (self.pack_hook, self.unpack_hook))
-        return f"hooks({', '.join(names)})"
+        extra = "" if self.inputs else ", inputs=False"
+        return f"hooks({', '.join(names)}{extra})"
 
 
-def hooks(pack: Callable[[Any], Any], unpack: Callable[[Any], Any]) -> Hooks:
+def hooks(
+    pack: Callable[[Any], Any], unpack: Callable[[Any], Any], *, inputs: bool = True
+) -> Hooks:
     """A policy from two callables, like PyTorch's saved_tensors_hooks.
 
     ```python
     seen = []
     policy = tg.policies.hooks(lambda x: (seen.append(x.nbytes), x)[1], lambda x: x)
     ```
+    Like PyTorch's, the hooks see every residual, the function's own inputs included:
+    a hook that observes (counts, logs, checks) needs them, and it gets no
+    `ResidualInfo` to tell them apart. A hook that copies (to host, to disk, into a
+    smaller dtype) only adds memory for an input, which the caller holds anyway:
+    pass ``inputs=False`` to leave inputs alone.
     """
-    return Hooks(pack, unpack)
+    return Hooks(pack, unpack, inputs)
 
 
 class Route:
     """Pick a policy per residual: ``fn(info) -> policy``."""
+
+    # ``fn`` sees every residual (``info.is_input`` says which are inputs); the policy it
+    # picks decides what to do with an input (the built-ins leave inputs alone).
+    inputs = True
 
     def __init__(self, fn: Callable[[ResidualInfo], Any]):
         self.fn = fn
@@ -60,10 +84,14 @@ class Route:
                 f"route: the routing function returned None for {info}; "
                 "return a policy (e.g. tg.policies.save())."
             )
+        if info.is_input and not packs_inputs(policy):
+            return (policy, value)  # as the interpreter does for a policy used alone
         return (policy, policy.pack(value, info))
 
     def unpack(self, packed, info):
         policy, inner = packed
+        if info.is_input and not packs_inputs(policy):
+            return inner
         return policy.unpack(inner, info)
 
     def __repr__(self) -> str:

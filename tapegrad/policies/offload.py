@@ -30,7 +30,7 @@ class Offload:
 
     prefetch = 1  # the interpreter starts bringing the next record's residuals back early
 
-    def __init__(self, memory_kind: str = "pinned_host", min_bytes: int = 0, inputs: bool = True):
+    def __init__(self, memory_kind: str = "pinned_host", min_bytes: int = 0, inputs: bool = False):
         if memory_kind not in ("pinned_host", "unpinned_host"):
             raise ValueError(
                 f"offload: memory_kind must be 'pinned_host' or 'unpinned_host', "
@@ -59,18 +59,19 @@ class Offload:
         return _move(packed, "device")
 
     def __repr__(self) -> str:
-        extra = "" if self.inputs else ", inputs=False"
+        extra = ", inputs=True" if self.inputs else ""
         return f"offload({self.memory_kind!r}{extra})"
 
 
-def offload(memory_kind: str = "pinned_host", min_bytes: int = 0, inputs: bool = True) -> Offload:
+def offload(memory_kind: str = "pinned_host", min_bytes: int = 0, inputs: bool = False) -> Offload:
     """Keep residuals in host memory between forward and backward.
 
     Residuals smaller than ``min_bytes`` stay on device (copying tiny arrays
-    costs more than it saves). With ``inputs=False``, residuals that are the
-    function's own inputs (weights, the batch) stay where they are: the caller
-    holds them anyway, so sending them to host and back frees nothing and costs
-    two transfers; only activations move (on an H100 under jit this halved the
-    bytes moved for a 32-layer MLP, see bench/RESULTS.md).
+    costs more than it saves). Residuals that are the function's own inputs
+    (weights, the batch) stay where they are: the caller holds them anyway, so
+    sending them to host and back frees nothing and costs two transfers; only
+    activations move (on an H100 under jit this halved the bytes moved for a
+    32-layer MLP, see bench/RESULTS.md). ``inputs=True`` moves them too (worth it
+    only when the caller drops its own reference before backward).
     """
     return Offload(memory_kind, min_bytes, inputs)

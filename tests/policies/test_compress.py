@@ -136,7 +136,7 @@ def test_report_counts_q_codes_and_scale(model):
 
     def note(info):
         seen.append(int(np.prod(info.shape)))
-        return P.compress("int8")
+        return P.compress("int8", inputs=True)  # every residual, the weights too
 
     i8 = tg.memory_report(mlp, policy=P.route(note))(ws, x)
     # Per residual of n float32 values: n int8 values, ceil(n / B) one-byte codes and
@@ -153,6 +153,8 @@ def test_report_counts_q_codes_and_scale(model):
 
 class Recorder:
     """Wraps a policy; notes each residual's relative RMS rounding error s/sqrt(12)."""
+
+    inputs = True  # see the weights too (a custom policy is not given inputs otherwise)
 
     def __init__(self, policy):
         self.policy, self.eps2 = policy, []
@@ -185,8 +187,8 @@ def test_gradient_error_within_the_rounding_noise_bound(model):
     ref = jax.grad(mlp)(ws, x)
     errs = {}
     for name, policy in [
-        ("blocks", P.compress("int8")),
-        ("tensor", P.compress("int8", block_size=None)),
+        ("blocks", P.compress("int8", inputs=True)),
+        ("tensor", P.compress("int8", block_size=None, inputs=True)),
     ]:
         rec = Recorder(policy)
         errs[name] = rel_err(tg.grad(mlp, policy=rec)(ws, x), ref)

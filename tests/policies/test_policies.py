@@ -95,7 +95,12 @@ def test_memory_report_agrees_with_live_arrays(model, policy):
 def test_offload_moves_residuals_to_host_eagerly_and_under_jit(model):
     ws, x = model
     rep = tg.memory_report(mlp, policy=P.offload())(ws, x)
-    assert rep.device_bytes == 0 and rep.host_bytes > 0
+    # The inputs stay where the caller holds them; every activation moves.
+    assert rep.device_bytes == rep.input_bytes > 0 and rep.host_bytes > 0
+    assert rep.beyond_inputs_bytes == rep.host_bytes
+    everything = tg.memory_report(mlp, policy=P.offload(inputs=True))(ws, x)
+    assert everything.device_bytes == 0
+    assert everything.host_bytes == rep.host_bytes + rep.input_bytes
     policy = P.route(lambda info: P.offload())
     # Offloaded arrays really live in pinned_host memory.
     off = P.offload()
@@ -112,8 +117,8 @@ def test_offload_moves_residuals_to_host_eagerly_and_under_jit(model):
 def test_compress_bytes_halve_and_quarter(model):
     ws, x = model
     full = tg.memory_report(mlp, policy=P.save())(ws, x).residual_bytes
-    bf16 = tg.memory_report(mlp, policy=P.compress(jnp.bfloat16))(ws, x).residual_bytes
-    i8 = tg.memory_report(mlp, policy=P.compress("int8", block_size=None))(ws, x)  # per tensor
+    bf16 = tg.memory_report(mlp, policy=P.compress(jnp.bfloat16, inputs=True))(ws, x).residual_bytes
+    i8 = tg.memory_report(mlp, policy=P.compress("int8", block_size=None, inputs=True))(ws, x)
     assert bf16 == full // 2
     n_res = sum(1 for r in i8.records for _ in r.saves.split(","))
     assert full // 4 < i8.residual_bytes <= full // 4 + 2 * n_res  # + one bf16 scale each
@@ -299,8 +304,9 @@ def test_route_picks_by_size(model):
         return P.offload() if info.nbytes >= 2048 else P.save()
 
     rep = tg.memory_report(mlp, policy=P.route(pick))(ws, x)
-    assert rep.host_bytes == sum(n for n in seen if n >= 2048)
-    assert rep.device_bytes == sum(n for n in seen if n < 2048)
+    # offload() leaves the inputs (weights, x) where they are
+    assert rep.host_bytes == sum(n for n in seen if n >= 2048) - rep.input_bytes
+    assert rep.device_bytes == sum(n for n in seen if n < 2048) + rep.input_bytes
 
 
 def test_memory_report_renders(model):
