@@ -311,3 +311,28 @@ def custom_vjp_thunk(fwd: Any, in_avals: list, record: Any) -> Any:
         return jaxpr, consts
 
     return lu.wrap_init(thunk, debug_info=fwd.debug_info)
+
+
+def custom_jvp_rule_parts(params: dict) -> tuple[Any, list] | None:
+    """``(rule function, [(transformation, static args), ...])`` behind a traced
+    ``custom_jvp_call``'s ``jvp_jaxpr_fun``: what decides its rule, for a structural key;
+    None where jax's closure layout is not the one read here (then nothing is cached)."""
+    try:
+        memo = params["jvp_jaxpr_fun"].f
+        thunk = next(
+            c.cell_contents
+            for c in memo.__closure__
+            if getattr(c.cell_contents, "__name__", "") == "jvp_jaxpr_thunk"
+        )
+        cells = dict(zip(thunk.__code__.co_freevars, (c.cell_contents for c in thunk.__closure__)))
+        jvp = cells["jvp"]
+        return jvp.f, [(gen, args) for gen, args in jvp.transforms]
+    except (AttributeError, KeyError, StopIteration, TypeError, ValueError):
+        return None
+
+
+def unhashable_value(x: Any) -> tuple[bool, Any]:
+    """``(True, value)`` for jax's ``Unhashable`` wrapper of a static argument."""
+    if type(x).__name__ == "Unhashable" and hasattr(x, "val"):
+        return True, x.val
+    return False, x

@@ -13,12 +13,15 @@ and decides, per record, what it saves for backward:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
+import types
 from collections.abc import Callable, Sequence
 from types import MappingProxyType
 from typing import Any
 
 import jax
+import numpy as np
 
 from tapegrad import _jax_compat as compat
 from tapegrad._caches import BoundedCache
@@ -231,11 +234,14 @@ def _tape_key(closed, active, diff, in_tree, out_tree, owner, lits: list) -> Any
     return key
 
 
-def _structure(j, lits: list) -> tuple:
-    """Equations and avals of a jaxpr: its constants and literals by aval only (the
-    literals are appended to ``lits``), nested jaxprs in full. Avals are compared as
+def _structure(j, lits: list | None) -> tuple:
+    """Equations and avals of a jaxpr. Top level (``lits`` a list): constants and
+    literals by aval only, the literals appended to ``lits``. Nested (``lits`` None, a
+    jit's or a loop body's jaxpr): literals by value, no constants. Avals are compared as
     objects (shape, dtype, weak type, sharding): printing them costs more than building
     the tape."""
+    if lits is None and j.constvars:
+        raise NoKey
     ids: dict[Any, int] = {}
     for v in j.constvars:
         ids[v] = len(ids)
@@ -244,6 +250,8 @@ def _structure(j, lits: list) -> tuple:
 
     def use(v) -> Any:
         if type(v) is compat.Literal:
+            if lits is None:
+                return ("lit", value_key(np.asarray(v.val)[()]), v.aval)
             lits.append(v)
             return ("lit", v.aval)
         return ids[v]
@@ -253,13 +261,69 @@ def _structure(j, lits: list) -> tuple:
         ins = tuple([use(v) for v in e.invars])
         for v in e.outvars:
             ids[v] = len(ids)
-        params = tuple([(k, value_key(p)) for k, p in e.params.items()])
+        if e.primitive.name == "custom_jvp_call":
+            params = _custom_jvp_key(e.params)
+        else:
+            params = tuple([(k, _param_key(p)) for k, p in e.params.items()])
         eqns.append((e.primitive, params, ins, tuple([v.aval for v in e.outvars])))
     return (
         tuple([v.aval for v in j.constvars]),
         tuple([v.aval for v in j.invars]),
         tuple(eqns),
         tuple([use(v) for v in j.outvars]),
+    )
+
+
+_NUMERIC = (bool, int, float, complex, np.generic, np.ndarray)
+_FUNCTIONS = (types.FunctionType, types.MethodType, functools.partial)
+
+
+def _param_key(v: Any) -> Any:
+    """A parameter: nested jaxprs by structure, numbers by type and value (`value_key`),
+    jax's own parameter objects (shardings, layouts, enums) by their equality."""
+    if isinstance(v, compat.ClosedJaxpr):
+        if v.consts:
+            raise NoKey
+        return ("closed", _structure(v.jaxpr, None))
+    if isinstance(v, compat.Jaxpr):
+        return ("jaxpr", _structure(v, None))
+    if type(v) is tuple:
+        return ("tuple", tuple([_param_key(x) for x in v]))
+    try:
+        return value_key(v)
+    except NoKey:
+        if isinstance(v, _NUMERIC) or isinstance(v, _FUNCTIONS):
+            raise  # numbers need their type and exact value; functions differ per trace
+        hash(v)
+        return (type(v), v)
+
+
+def _custom_jvp_key(params) -> tuple:
+    """A ``custom_jvp_call`` by its function's structure and its rule: the user's rule
+    function (an identity, as `jax.jit` keys a function) and the static arguments jax
+    bound to it. Closures jax creates per trace (output stores) are not part of it."""
+    parts = compat.custom_jvp_rule_parts(params)
+    if parts is None:
+        raise NoKey
+    fn, transforms = parts
+    statics = []
+    for gen, args in transforms:
+        key = []
+        for a in args:
+            wrapped, v = compat.unhashable_value(a)
+            if wrapped:
+                key.append(("static", value_key(v)))
+            elif getattr(a, "__name__", None) == "<lambda>":
+                continue  # jax's per-trace accessor of the rule's output treedef
+            else:
+                hash(a)
+                key.append(a)
+        statics.append((gen, tuple(key)))
+    return (
+        ("call_jaxpr", _param_key(params["call_jaxpr"])),
+        ("rule", fn, tuple(statics)),
+        ("num_consts", params["num_consts"]),
+        ("symbolic_zeros", params["symbolic_zeros"]),
     )
 
 

@@ -4,6 +4,8 @@ on every call, so a stale constant or literal would show as a wrong gradient."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,3 +74,26 @@ def test_a_new_literal_reuses_the_tape_with_its_value():
     mul = [r for r in tapes[0].records if r.primitive == "mul"][0].index
     assert [float(t.records[mul].inputs[1].value) for t in tapes] == [0.5, 2.0, -3.0]
     assert tapes[0].records[mul + 1] is tapes[2].records[mul + 1]  # no literal: shared
+
+
+def test_relu_and_jitted_calls_are_cached():
+    g = jax.jit(lambda x: jnp.sin(x) * 2.0)
+    for f in (lambda x: jnp.sum(jax.nn.relu(x) ** 2), lambda x: jnp.sum(g(x) ** 2)):
+        assert tg.trace(f)(X).records is tg.trace(f)(X - 1.0).records
+        _close(tg.grad(f)(X - 0.5), jax.grad(f)(X - 0.5))
+
+
+@partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _scaled(x, k):
+    return x * k
+
+
+@_scaled.defjvp
+def _scaled_jvp(k, primals, tangents):
+    return _scaled(primals[0], k), tangents[0] * (k + 1.0)  # a rule unlike the function
+
+
+def test_a_custom_jvp_static_argument_keys_its_rule():
+    for k in (2.0, 3.0, 2.0):
+        f = lambda x: jnp.sum(_scaled(x, k) ** 2)
+        _close(tg.grad(f)(X), jax.grad(f)(X))
