@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,16 +18,20 @@ from typing import Any
 import jax
 from jax import tree_util
 
-from tapegrad import _jax_compat as compat
 from tapegrad._checkpoint import segment_peak
-from tapegrad._display import short_source
 from tapegrad._interpret import forward
 from tapegrad._loops import _Segmented, _Stored, forwarded_ids
-from tapegrad._tape import Lit, Record, Tape, as_dtype, itemsize, loop_bytes
+from tapegrad._memory_unseen import (
+    UnseenBackward,
+    unseen_backwards,
+    unseen_notes,
+    vjp_residual_bytes,
+)
+from tapegrad._tape import Record, Tape, as_dtype, loop_bytes
 from tapegrad.policies._base import is_plain, resolve_policy
 from tapegrad.policies.budget import Budget, segment_flops
 
-__all__ = ["MemoryReport", "RecordMemory", "UnseenBackward", "memory_report"]
+__all__ = ["MemoryReport", "RecordMemory", "UnseenBackward", "memory_report", "vjp_residual_bytes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,24 +78,6 @@ class RecordMemory:
         yield self
         for r in self.body:
             yield from r.walk()
-
-
-@dataclass(frozen=True, slots=True)
-class UnseenBackward:
-    """A record whose backward runs `jax.vjp` (a fallback rule, a custom_jvp call that
-    could not be split, a checkpoint call): jax makes and frees residuals inside that
-    call, out of the report's sight. ``bytes`` is an estimate of them, from jax's own
-    residual shapes for the record's primitive (`vjp_residual_bytes`), for one run;
-    ``steps`` is how many body runs a record inside a loop is differentiated for (one
-    at a time)."""
-
-    index: int
-    primitive: str
-    source: str
-    rule: str
-    bytes: int
-    steps: int = 1
-    where: str = ""  # "" at the top level, else " (in #3's body)" and the like
 
 
 @dataclass(frozen=True)
@@ -367,8 +352,7 @@ class _Body:
         rec = self.rec
         if isinstance(stored, _Segmented):  # the carry every k steps, then the remainder
             _add(self.checkpoints, _measure(stored.checkpoints, None, mult, self.seen))
-            k = rec.schedule
-            self.add(stored.rem, mult, rec.trip_count - (rec.trip_count // k) * k)
+            self.add(stored.rem, mult, stored.rem_length)
             return
         if stored.steps is not None:  # one Residuals per step (Python loop, concrete cond)
             b = stored.branch or 0
@@ -569,129 +553,15 @@ def _step_transient(rec: Record) -> int:
 
 
 def _segment_transient(rec: Record) -> int:
-    """Bytes a checkpointed scan's backward recomputes at a time: one segment's residuals."""
-    if rec.primitive != "scan" or not rec.schedule:
+    """Bytes a checkpointed scan's backward recomputes at a time: one segment's residuals
+    (a nested schedule: its inner levels' carries too) on top of what forward kept."""
+    from tapegrad._loops import schedule_costs
+
+    c = schedule_costs(rec)
+    if c is None:
         return 0
-    lb = loop_bytes(rec)
-    return dataclasses.replace(lb, steps=rec.schedule, checkpoints=0).total
-
-
-# Rules whose backward runs jax.vjp on the record's primitive: the residuals jax keeps
-# inside that call are made and freed within the record's backward, out of our sight.
-_OPAQUE_RULES = ("fallback", "custom_jvp", "checkpoint")
-
-
-def _aval_bytes(aval: Any) -> int:
-    shape = getattr(aval, "shape", ())
-    return math.prod(shape) * itemsize(aval.dtype)
-
-
-def vjp_residual_bytes(rec: Record) -> int:
-    """Bytes of the residuals `jax.vjp` keeps for one run of ``rec``'s primitive, less
-    the record's own inputs (it saves those itself, and the report counts them): what
-    the backward of a record that runs `jax.vjp` (rule ``fallback``, ``custom_jvp``,
-    ``checkpoint``) materializes on top of what the report sees. Found abstractly, from
-    `jax.make_jaxpr` of the same `jax.vjp` call the rule makes, on the record's avals:
-    the output variables of the residual pytree that are not input variables."""
-    from tapegrad.rules.control import _bind
-
-    var_pos = [i for i, v in enumerate(rec.inputs) if not isinstance(v, Lit)]
-    active = [i for i, a in enumerate(rec.active) if a and i in var_pos]
-
-    def residuals(*vals):
-        full: list[Any] = [v.value if isinstance(v, Lit) else None for v in rec.inputs]
-        for i, x in zip(var_pos, vals):
-            full[i] = x
-
-        def f(*act):
-            args = list(full)
-            for i, x in zip(active, act):
-                args[i] = x
-            return _bind(rec, args)
-
-        _, vjp_fn = jax.vjp(f, *[full[i] for i in active])
-        return tree_util.tree_leaves(vjp_fn)
-
-    avals = [jax.ShapeDtypeStruct(rec.inputs[i].shape, rec.inputs[i].dtype) for i in var_pos]
-    jaxpr = jax.make_jaxpr(residuals)(*avals).jaxpr
-    inputs = set(jaxpr.invars) | set(jaxpr.constvars)
-    seen: set[Any] = set()
-    total = 0
-    for v in jaxpr.outvars:
-        if isinstance(v, compat.Literal):  # a constant jax keeps (a fresh array eagerly)
-            total += _aval_bytes(v.aval)
-        elif v not in inputs and v not in seen:
-            seen.add(v)
-            total += _aval_bytes(v.aval)
-    return total
-
-
-def _unseen(tape: Tape) -> list[tuple[int, UnseenBackward]]:
-    """Every record (bodies included) whose backward runs jax.vjp, with its estimate,
-    each beside the index of the top-level record it runs in (itself, or its loop)."""
-    out: list[tuple[int, UnseenBackward]] = []
-    cache: dict[Any, int] = {}
-
-    def estimate(rec: Record) -> int:
-        try:
-            key: Any = (
-                rec.primitive,
-                tuple((v.shape, str(v.dtype), isinstance(v, Lit)) for v in rec.inputs),
-                rec.active,
-                hash(tuple(sorted(rec.params.items()))),
-            )
-        except TypeError:  # unhashable params (sub-programs): no sharing
-            key = ("record", id(rec))
-        if key not in cache:
-            try:
-                cache[key] = vjp_residual_bytes(rec)
-            except Exception:  # jax cannot say abstractly: -1 means unknown
-                cache[key] = -1
-        return cache[key]
-
-    def visit(t: Tape, where: str, steps: int, top: int | None) -> None:
-        for rec in t.records:
-            at = rec.index if top is None else top
-            if rec.rule in _OPAQUE_RULES:
-                u = UnseenBackward(
-                    rec.index, rec.primitive, rec.source, rec.rule, estimate(rec), steps, where
-                )
-                out.append((at, u))
-            for b, body in enumerate(rec.bodies):
-                part = f"branch {b}" if rec.primitive == "cond" else "body"
-                visit(
-                    body,
-                    f" (in #{rec.index}'s {part}{where.replace(' (in', ',')})",
-                    steps * rec.trip_count,
-                    at,
-                )
-
-    visit(tape, "", 1, None)
-    return out
-
-
-def _notes(unseen: Sequence[UnseenBackward]) -> tuple[str, ...]:
-    """One note per (primitive, source line) whose backward the report cannot see into."""
-    groups: dict[tuple[str, str], list[UnseenBackward]] = {}
-    for u in unseen:
-        src = short_source(u.source, 60)
-        groups.setdefault((u.primitive, src), []).append(u)
-    notes = []
-    for (prim, src), us in groups.items():
-        who = [f"#{u.index}{u.where}" for u in us]
-        shown = ", ".join(who[:3]) + (f" and {len(who) - 3} more" if len(who) > 3 else "")
-        sizes = sorted({u.bytes for u in us})
-        if sizes[0] < 0:
-            what = "an unknown amount of residuals (jax could not say abstractly)"
-        else:
-            top = f"{sizes[-1]:,}" if len(sizes) == 1 else f"{sizes[0]:,}–{sizes[-1]:,}"
-            each = " each" if len(us) > 1 else ""
-            what = (
-                f"about {top} B of residuals{each}, from jax.vjp's residual shapes "
-                "(counted in the peak while it runs)"
-            )
-        notes.append(f"backward of {prim} {shown} at {src} runs jax.vjp: it makes {what}")
-    return tuple(notes)
+    extra = c.peak_carries - c.carries
+    return dataclasses.replace(loop_bytes(rec), steps=c.peak_steps, checkpoints=extra).total
 
 
 def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> MemoryReport:
@@ -739,7 +609,7 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
             n = sizes[k] if any(id(x) in arg_ids for x in tree_util.tree_leaves(v)) else 0
         if n:
             caller[k] = n
-    unseen = _unseen(tape)
+    unseen = unseen_backwards(tape)
     unseen_at: dict[int, int] = {}  # top-level record -> largest estimate run within it
     for at, u in unseen:
         unseen_at[at] = max(unseen_at.get(at, 0), u.bytes)
@@ -852,7 +722,7 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
         planner.bytes if planner is not None else None,
         sum(segment_flops(tape, seg) for seg in tape.segments),
         planner.last.get("plan") if planner is not None else None,
-        _notes([u for _, u in unseen]),
+        unseen_notes([u for _, u in unseen]),
         peak_beyond,
         tuple(u for _, u in unseen),
     )
