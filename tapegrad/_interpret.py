@@ -549,4 +549,10 @@ def backward(
             release(key)
     if not retain:
         res.released = True
+    # `get` and `_recompute` call each other (a reference cycle through their closure
+    # cells): what they reach is emptied here, so the last cotangents and residuals are
+    # freed now, not at the next garbage collection.
+    trigger.clear()
+    unpacked.clear()
+    recomputed.clear()
     return [cts.get(v.id) for v in tape.inputs]
