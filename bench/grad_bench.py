@@ -2,6 +2,10 @@
 
     python bench/grad_bench.py            # all three models
     python bench/grad_bench.py --quick    # fewer repetitions
+    python bench/grad_bench.py --only mlp8 mlp32
+
+With PyTorch installed (the ``bench`` extra), the MLPs also get a PyTorch eager column:
+the same weights, forward and backward with ``torch.autograd.grad``.
 
 Times are medians; each ratio is the median of per-round ratios, tapegrad and jax
 timed alternately (robust to the load of a shared machine).
@@ -54,6 +58,31 @@ def held_bytes(vjp, f, *args) -> int:
     return held
 
 
+def torch_grad(params, x):
+    """The same tanh MLP in PyTorch eager (float32, CPU): a call that returns the weights'
+    gradients, or None where torch is not installed (`pip install -e .[bench]`)."""
+    try:
+        import numpy as np
+        import torch
+    except ImportError:
+        return None
+    torch.set_num_threads(1)  # one thread: a shared 2-core machine makes more of them spin
+    ws = [torch.tensor(np.asarray(w), requires_grad=True) for w in params]
+    xt = torch.tensor(np.asarray(x))
+
+    def call():
+        h = xt
+        for w in ws:
+            h = torch.tanh(h @ w)
+        return torch.autograd.grad((h**2).mean(), ws)
+
+    got = call()
+    want = jax.grad(mlp_loss)(params, x)
+    err = max(float(abs(g.numpy() - np.asarray(v)).max()) for g, v in zip(got, want))
+    assert err < 1e-4, f"torch and jax disagree by {err}"
+    return call
+
+
 def models():
     key = jax.random.key(0)
     k1, k2, k3, k4 = jax.random.split(key, 4)
@@ -82,6 +111,7 @@ def models():
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", nargs="*", help="model name prefixes, e.g. mlp8 mlp32")
     a = ap.parse_args()
     reps_eager, reps_jit = (5, 20) if a.quick else (30, 200)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
@@ -90,8 +120,13 @@ def main() -> None:
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
         f"load average {load:.1f}"
     )
-    print(f"{'model':54} {'eager tg/jax':>22} {'jit tg/jax':>22} {'residual bytes tg/jax':>32}")
+    print(
+        f"{'model':54} {'eager tg/jax':>22} {'jit tg/jax':>22} {'residual bytes tg/jax':>32}"
+        f"  {'eager torch, tg/torch':>20}"
+    )
     for name, f, params, x in models():
+        if a.only and not any(name.startswith(o) for o in a.only):
+            continue
         for g_tg, g_jax in [(tg.grad(f)(params, x), jax.grad(f)(params, x)) for _ in range(4)]:
             err = max(
                 float(jnp.max(jnp.abs(u - v)))
@@ -111,10 +146,16 @@ def main() -> None:
         j_tg, j_jax, j_ratio = paired(lambda: jt(params, x), lambda: jj(params, x), reps_jit)
         b_tg = held_bytes(tg.vjp, f, params, x)
         b_jax = held_bytes(jax.vjp, f, params, x)
+        torch_call = torch_grad(params, x) if f is mlp_loss else None
+        if torch_call is not None:
+            _, t_torch, t_ratio = paired(lambda: tg.grad(f)(params, x), torch_call, reps_eager)
+            vs_torch = f"{t_torch:7.2f} ms {t_ratio:4.2f}x"
+        else:
+            vs_torch = "–"
         print(
             f"{name:54} {e_tg:7.2f}/{e_jax:7.2f} ms {e_ratio:4.2f}x "
             f"{j_tg:7.3f}/{j_jax:7.3f} ms {j_ratio:4.2f}x "
-            f"{b_tg:>11,}/{b_jax:>11,} B {b_tg / b_jax:4.2f}x"
+            f"{b_tg:>11,}/{b_jax:>11,} B {b_tg / b_jax:4.2f}x  {vs_torch}"
         )
 
 
