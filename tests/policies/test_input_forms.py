@@ -87,12 +87,9 @@ POLICIES = {
     "save": (P.save(), 0),
     "offload": (P.offload(), 0),
     "offload-inputs": (P.offload(inputs=True), 0),
-    "offload-unpinned": (P.offload("unpinned_host", inputs=True), 0),
     "bf16": (P.compress(jnp.bfloat16), 2e-2),
     "bf16-inputs": (P.compress(jnp.bfloat16, inputs=True), 2e-2),
-    "f16-inputs": (P.compress(jnp.float16, inputs=True), 3e-3),
     "int8-inputs": (P.compress("int8", inputs=True), 3e-2),
-    "int8/ch-inputs": (P.compress("int8", axis=-1, inputs=True), 3e-2),
     "route": (
         P.route(
             lambda i: P.offload(inputs=True) if i.is_input else P.compress(jnp.float16, inputs=True)
@@ -141,7 +138,7 @@ def test_gradients_equal_jax_for_every_input_form(name, case):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("name", ["save", "offload-inputs", "bf16-inputs", "hooks", "route"])
+@pytest.mark.parametrize("name", ["save", "bf16-inputs", "route"])
 def test_same_under_jit(name, case):
     params, x, k = CASES[case]
     policy, tol = POLICIES[name]
