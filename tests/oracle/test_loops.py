@@ -744,7 +744,7 @@ def _selective():
 POLICIES: dict[str, tuple[Callable, float | None]] = {
     "save": (P.save, None),
     "offload": (P.offload, None),
-    "offload_inputs_false": (lambda: P.offload(inputs=False), None),
+    "offload_inputs": (lambda: P.offload(inputs=True), None),  # the inputs moved too
     "compress_bf16": (lambda: P.compress(jnp.bfloat16), 3e-2),
     "compress_int8": (lambda: P.compress("int8"), 1e-1),
     "selective": (_selective, None),
