@@ -204,6 +204,7 @@ def _plan_bodies(tape: Tape, policy: Any) -> Tape:
     from tapegrad._loops import outer_saves
 
     segment = getattr(policy, "loop_segment", None)
+    schedule = getattr(policy, "loop_schedule", None)  # nested: segment lengths by level
     records = []
     for rec in tape.records:
         if rec.bodies and rec.rule != "none":
@@ -211,9 +212,17 @@ def _plan_bodies(tape: Tape, policy: Any) -> Tape:
                 plan_recompute(b, policy, decide_records(b, policy, whole=False))
                 for b in rec.bodies
             )
-            k = segment(rec) if segment is not None else 0
-            if k != rec.schedule or any(b is not a for a, b in zip(rec.bodies, bodies)):
-                rec = dataclasses.replace(rec, bodies=bodies, schedule=k)
+            if schedule is not None:
+                levels = tuple(schedule(rec))
+            else:
+                levels = (segment(rec),) if segment is not None else ()
+            k, inner = (levels[0], levels[1:]) if levels and levels[0] else (0, ())
+            if (
+                k != rec.schedule
+                or inner != rec.inner_schedule
+                or any(b is not a for a, b in zip(rec.bodies, bodies))
+            ):
+                rec = dataclasses.replace(rec, bodies=bodies, schedule=k, inner_schedule=inner)
                 rec = dataclasses.replace(rec, saves=outer_saves(rec))
         records.append(rec)
     return dataclasses.replace(tape, records=tuple(records))

@@ -295,7 +295,7 @@ def loop_bytes_text(rec, b: int, per_step: bool = False) -> str:
     if lb.checkpoints:
         rest = lb.total - lb.checkpoints * lb.carry
         return (
-            f"carries every {rec.schedule:,}: {lb.checkpoints:,} × {lb.carry:,} B + "
+            f"carries every {_levels_text(rec)}: {lb.checkpoints:,} × {lb.carry:,} B + "
             f"last {lb.steps:,} steps {rest:,} B = {lb.total:,} B"
         )
     if lb.shared:  # a carry saved as input is the step before's output: the first once
@@ -707,7 +707,7 @@ def _report_body_label(r, rec, b: int, rows: list) -> tuple[str, str]:
         label = f"{r.primitive} branch {b}" if r.primitive == "cond" else f"{r.primitive} body"
     run = "step" if (rec is not None and rec.primitive == "scan") else "run"
     # runs of a cond differ by branch: a body's records can hold different numbers of runs
-    per = f"{total // runs:,}" if total % max(runs, 1) == 0 else f"{total / runs:,.1f}"
+    per = f"{total // max(runs, 1):,}" if total % max(runs, 1) == 0 else f"{total / runs:,.1f}"
     return label, f"{per} B per {run} × {runs:,} {run}{'s' if runs != 1 else ''} held = {total:,} B"
 
 
@@ -780,8 +780,10 @@ def _report_lines(rows, tape, depth: int) -> list[str]:
             f"{r.device_bytes:>11,} {r.host_bytes:>11,} {r.compressed_bytes:>10,}  {src}"
         ]
         if r.checkpoint_bytes:
-            every = f" every {rec.schedule:,} steps" if rec is not None else ""
+            every = f" every {_levels_text(rec)} steps" if rec is not None else ""
             out.append(f"{'':>5} {pad}  carries kept{every}: {r.checkpoint_bytes:,} B")
+            if rec is not None:
+                out.append(f"{'':>5} {pad}  schedule: {_schedule_text(rec)}")
         for b, body_rows in _bodies_of(r, rec):
             label, what = _report_body_label(r, rec, b, body_rows)
             out.append(f"{'':>5} {pad}  {label}: {what}")
@@ -886,8 +888,9 @@ def _report_rows_html(rows, tape, depth: int) -> list[str]:
                 f"{sum(x.host_bytes for x in body_rows):,})"
             )
             if r.checkpoint_bytes and b == _bodies_of(r, rec)[0][0]:
-                every = f" every {rec.schedule:,} steps" if rec is not None else ""
+                every = f" every {_levels_text(rec)} steps" if rec is not None else ""
                 summary += f" · carries kept{every}: <b>{r.checkpoint_bytes:,}</b> B"
+                summary += f" ({e(_schedule_text(rec))})" if rec is not None else ""
             out += body_row(
                 summary,
                 "".join(_report_rows_html(body_rows, body, depth + 1)),
@@ -1008,3 +1011,15 @@ def report_html(rep) -> str:
             + extra
         )
     return page("tg-memory", totals, table, extra)
+
+
+def _schedule_text(rec) -> str:
+    """A scheduled scan's costs in words (`_loops.schedule_text`)."""
+    from tapegrad._loops import schedule_text
+
+    return schedule_text(rec)
+
+
+def _levels_text(rec) -> str:
+    """A scan's segment lengths, outermost first: ``16`` or ``100/10``."""
+    return "/".join(f"{k:,}" for k in (rec.schedule, *rec.inner_schedule))

@@ -541,30 +541,57 @@ def _cond_backward(rec: Record, x: list, stored: _Stored, gs: list, retain: bool
 
 class _Segmented:
     """A scheduled scan's forward: the carry at the start of each full segment (stacked),
-    the remainder steps' residuals (kept as usual), and the enclosing `Residuals` whose
+    the remainder's ``rem_length`` steps (a `_Stored` kept as usual, or, under a nested
+    schedule, a `_Segmented` of the inner levels), and the enclosing `Residuals` whose
     policy the recomputed segments pack with."""
 
-    __slots__ = ("checkpoints", "rem", "res")
+    __slots__ = ("checkpoints", "rem", "res", "rem_length")
 
-    def __init__(self, checkpoints, rem, res):
+    def __init__(self, checkpoints, rem, res, rem_length=0):
         self.checkpoints, self.rem, self.res = checkpoints, rem, res
+        self.rem_length = rem_length
 
 
 jax.tree_util.register_pytree_node(
     _Segmented,
-    lambda s: ((s.checkpoints, s.rem), _Static(s.res)),
-    lambda a, c: _Segmented(c[0], c[1], a.v),
+    lambda s: ((s.checkpoints, s.rem), _Static((s.res, s.rem_length))),
+    lambda a, c: _Segmented(c[0], c[1], *a.v),
 )
 
 
-def _part(rec: Record, length: int, carries_active: Sequence[bool] | None = None) -> Record:
-    """The same scan record over ``length`` steps, without a schedule."""
-    params = dict(rec.params, length=length)
+def schedule_levels(rec: Record) -> tuple[int, ...]:
+    """A scan's segment lengths, outermost first (() when it keeps every step)."""
+    return (rec.schedule, *rec.inner_schedule) if rec.schedule else ()
+
+
+def _part(
+    rec: Record,
+    length: int,
+    carries_active: Sequence[bool] | None = None,
+    levels: Sequence[int] = (),
+) -> Record:
+    """The same scan record over ``length`` steps, running forward (a reverse scan's
+    segments are run on its flipped inputs), scheduled with the first of ``levels``
+    shorter than ``length`` and the ones after it (no schedule when none is)."""
+    params = dict(rec.params, length=length, reverse=False)
     active = rec.active
     if carries_active is not None:
         nc, nk = params["num_consts"], params["num_carry"]
         active = active[:nc] + tuple(carries_active) + active[nc + nk :]
-    return dataclasses.replace(rec, params=MappingProxyType(params), schedule=0, active=active)
+    inner = [i for i, k in enumerate(levels) if k < length]
+    sched = (levels[inner[0]], tuple(levels[inner[0] + 1 :])) if inner else (0, ())
+    return dataclasses.replace(
+        rec,
+        params=MappingProxyType(params),
+        schedule=sched[0],
+        inner_schedule=sched[1],
+        active=active,
+    )
+
+
+def _flip(vals: Sequence[Any]) -> list:
+    """Scanned values in the order a reverse scan runs its steps (None stays None)."""
+    return [None if v is None else jnp.flip(v, 0) for v in vals]
 
 
 def _split(rec: Record) -> tuple[int, int, int]:
@@ -573,12 +600,23 @@ def _split(rec: Record) -> tuple[int, int, int]:
     return k, T // k, T - (T // k) * k
 
 
+def _run_slice(v, start, size: int, T: int, reverse: bool):
+    """Steps ``start`` to ``start + size`` of a ``T``-step scan, counted in the order it
+    runs them: a slice of ``v`` (a reverse scan runs its inputs last to first, so its
+    slice is taken from the end and flipped). Slicing segment by segment, rather than
+    reshaping or flipping the whole input, copies one segment at a time."""
+    if not reverse:
+        return lax.dynamic_slice_in_dim(v, start, size)
+    return jnp.flip(lax.dynamic_slice_in_dim(v, T - start - size, size), 0)
+
+
 def _segmented_forward(rec: Record, ins: list, res) -> tuple[list, _Segmented]:
     from tapegrad._interpret import forward
     from tapegrad.policies._base import SAVE
 
     p, body = rec.params, rec.bodies[0]
     nc, nk = p["num_consts"], p["num_carry"]
+    rev, T = bool(p["reverse"]), int(p["length"])
     k, n, r = _split(rec)
     consts, init, xs = ins[:nc], list(ins[nc : nc + nk]), ins[nc + nk :]
 
@@ -586,19 +624,20 @@ def _segmented_forward(rec: Record, ins: list, res) -> tuple[list, _Segmented]:
         outs, _ = forward(body, [*consts, *carry, *x], SAVE)
         return _coerce(outs[:nk], body.outputs[:nk]), _coerce(outs[nk:], body.outputs[nk:])
 
-    def segment(carry, xseg):
+    def segment(carry, i):
+        xseg = [_run_slice(v, i * k, k, T, rev) for v in xs]
         out, ys = lax.scan(plain_step, carry, xseg, length=k, unroll=p["unroll"])
         return out, (ys, carry)
 
-    xs_main = [v[: n * k].reshape((n, k) + v.shape[1:]) for v in xs]
-    carry, (ys_main, checkpoints) = lax.scan(segment, init, xs_main, length=n)
-    rem_ins = [*consts, *carry, *(v[n * k :] for v in xs)]
-    outs_rem, rem = _scan_forward(_part(rec, r), rem_ins, res, None)
+    carry, (ys_main, checkpoints) = lax.scan(segment, init, jnp.arange(n), length=n)
+    # Segments and remainder run forward over the steps in the scan's own order.
+    rem_ins = [*consts, *carry, *(_run_slice(v, n * k, r, T, rev) for v in xs)]
+    outs_rem, rem = _scan_forward(_part(rec, r, None, rec.inner_schedule), rem_ins, res, None)
     ys = [
         jnp.concatenate([y.reshape((n * k,) + y.shape[2:]), y_rem])
         for y, y_rem in zip(ys_main, outs_rem[nk:])
     ]
-    return list(outs_rem[:nk]) + ys, _Segmented(checkpoints, rem, res)
+    return list(outs_rem[:nk]) + (_flip(ys) if rev else ys), _Segmented(checkpoints, rem, res, r)
 
 
 def _ct_or_zeros(c, shape, dtype):
@@ -609,6 +648,7 @@ def _segmented_backward(rec: Record, x: list, st: _Segmented, gs: list, retain: 
     p, body = rec.params, rec.bodies[0]
     nc, nk = p["num_consts"], p["num_carry"]
     n_xs = len(rec.inputs) - nc - nk
+    rev, T = bool(p["reverse"]), int(p["length"])
     k, n, r = _split(rec)
     c_act = _active_carries(rec)
     consts, xs, g_ys = x[:nc], x[nc + nk :], gs[nk:]
@@ -622,28 +662,31 @@ def _segmented_backward(rec: Record, x: list, st: _Segmented, gs: list, retain: 
             for j, c in enumerate(in_cts[nc : nc + nk])
         ]
 
+    def steps(vals, start, size):
+        return [None if v is None else _run_slice(v, start, size, T, rev) for v in vals]
+
     # The remainder ran last: its backward comes first.
-    x_rem = [*consts, *([None] * nk), *(v[n * k :] for v in xs)]
-    gs_rem = [*gs[:nk], *(g[n * k :] if g is not None else None for g in g_ys)]
-    in_rem = _scan_backward(_part(rec, r, c_act), x_rem, st.rem, gs_rem, retain, None)
+    x_rem = [*consts, *([None] * nk), *steps(xs, n * k, r)]
+    gs_rem = [*gs[:nk], *steps(g_ys, n * k, r)]
+    rem_rec = _part(rec, r, c_act, rec.inner_schedule)
+    in_rem = _scan_backward(rem_rec, x_rem, st.rem, gs_rem, retain, None)
     ct_c = carry_cts(in_rem)
     acc = [
         _ct_or_zeros(c, body.inputs[j].shape, body.inputs[j].dtype) if rec.active[j] else None
         for j, c in enumerate(in_rem[:nc])
     ]
-    seg_rec = _part(rec, k, c_act)
-    g_idx = [j for j, g in enumerate(g_ys) if g is not None]
+    seg_rec = _part(rec, k, c_act, rec.inner_schedule)  # nested: checkpointed again
 
     def seg_bwd(carry, inp):
         ct_c, acc = carry
-        cp, xseg, gseg = inp
+        cp, i = inp
+        xseg = steps(xs, i * k, k)
         # Recompute this segment's residuals from its carry, then run its backward.
         _, stored = _scan_forward(seg_rec, [*consts, *cp, *xseg], st.res, None)
-        seg_gs: list[Any] = [*ct_c, *([None] * len(g_ys))]
-        for j, g in zip(g_idx, gseg):
-            seg_gs[nk + j] = g
+        seg_gs = [*ct_c, *steps(g_ys, i * k, k)]
+        # The recomputed residuals are this call's own: free each step once it is used.
         in_cts = _scan_backward(
-            seg_rec, [*consts, *([None] * nk), *xseg], stored, seg_gs, True, None
+            seg_rec, [*consts, *([None] * nk), *xseg], stored, seg_gs, False, None
         )
         acc = [_add(a, c) for a, c in zip(acc, in_cts[:nc])]
         ct_x = [
@@ -652,12 +695,10 @@ def _segmented_backward(rec: Record, x: list, st: _Segmented, gs: list, retain: 
         ]
         return (carry_cts(in_cts), acc), ct_x
 
-    xs_main = [v[: n * k].reshape((n, k) + v.shape[1:]) for v in xs]
-    g_main = [g_ys[j][: n * k].reshape((n, k) + g_ys[j].shape[1:]) for j in g_idx]
     if not st.res.plain and _concrete([*consts, *xs, *jax.tree.leaves(st.checkpoints)]):
         per_seg: list[Any] = [None] * n
         for i in reversed(range(n)):  # eagerly, the policy sees concrete steps
-            inp = ([c[i] for c in st.checkpoints], [v[i] for v in xs_main], [g[i] for g in g_main])
+            inp = ([c[i] for c in st.checkpoints], i)
             (ct_c, acc), per_seg[i] = seg_bwd((ct_c, acc), inp)
         ct_main = [
             jnp.stack([per_seg[i][j] for i in range(n)]) if rec.active[nc + nk + j] else None
@@ -665,7 +706,7 @@ def _segmented_backward(rec: Record, x: list, st: _Segmented, gs: list, retain: 
         ]
     else:
         (ct_c, acc), ct_main = lax.scan(
-            seg_bwd, (ct_c, acc), (st.checkpoints, xs_main, g_main), length=n, reverse=True
+            seg_bwd, (ct_c, acc), (st.checkpoints, jnp.arange(n)), length=n, reverse=True
         )
     ct_xs: list[Any] = [None] * n_xs
     for j in range(n_xs):
@@ -674,5 +715,64 @@ def _segmented_backward(rec: Record, x: list, st: _Segmented, gs: list, retain: 
             assert seg_ct is not None  # an active scanned input gets a cotangent per segment
             main = seg_ct.reshape((n * k,) + seg_ct.shape[2:])
             rem_ct = _ct_or_zeros(in_rem[nc + nk + j], (r,) + main.shape[1:], main.dtype)
-            ct_xs[j] = jnp.concatenate([main, rem_ct])
+            ct = jnp.concatenate([main, rem_ct])  # in run order
+            ct_xs[j] = jnp.flip(ct, 0) if rev else ct
     return _input_cts(rec, acc, ct_c, c_act, ct_xs)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleCosts:
+    """What a scan's checkpoint schedule holds and recomputes, in carries and steps.
+
+    ``levels``: segment lengths, outermost first; ``carries`` / ``steps``: carries and
+    steps' residuals kept after forward (a remainder shorter than every level keeps its
+    steps); ``peak_carries`` / ``peak_steps``: held at once at backward's peak (the kept
+    ones included); ``recomputed``: forward steps backward runs again (T per level
+    at most)."""
+
+    levels: tuple[int, ...]
+    carries: int
+    steps: int
+    peak_carries: int
+    peak_steps: int
+    recomputed: int
+
+
+def _schedule_plan(T: int, levels: Sequence[int]):
+    """(carries kept, steps kept, [(carries, steps) held during backward], recomputed)
+    of ``T`` steps under ``levels``, as `_segmented_forward`/`_backward` run them."""
+    first = next((i for i, k in enumerate(levels) if k < T), None)
+    if first is None:
+        return 0, T, [(0, T)], 0
+    k, inner = levels[first], levels[first + 1 :]
+    n, r = T // k, T % k
+    rc, rs, r_held, r_rec = _schedule_plan(r, inner)
+    _, _, s_held, s_rec = _schedule_plan(k, inner)
+    held = [(n + c, s) for c, s in r_held] + ([(n + c, s) for c, s in s_held] if n else [])
+    return n + rc, rs, held, r_rec + n * (k + s_rec)
+
+
+def schedule_costs(rec: Record) -> ScheduleCosts | None:
+    """`ScheduleCosts` of a scheduled scan record (None without a schedule); the peak is
+    the point of backward holding the most bytes (`loop_bytes`' step and carry sizes)."""
+    from tapegrad._tape import loop_bytes
+
+    levels = schedule_levels(rec)
+    if rec.primitive != "scan" or not levels:
+        return None
+    carries, steps, held, recomputed = _schedule_plan(rec.trip_count, levels)
+    lb = loop_bytes(rec)
+    pc, ps = max(held, key=lambda h: dataclasses.replace(lb, checkpoints=h[0], steps=h[1]).total)
+    return ScheduleCosts(levels, carries, steps, pc, ps, recomputed)
+
+
+def schedule_text(rec: Record) -> str:
+    """A scheduled scan's costs in words (for reports): ``keeps 10 carries + 0 steps;
+    peak 20 carries + 10 steps; re-runs 2,000 steps`` (backward's peak, forward steps)."""
+    c = schedule_costs(rec)
+    if c is None:
+        return ""
+    return (
+        f"keeps {c.carries:,} carries + {c.steps:,} steps; peak "
+        f"{c.peak_carries:,} carries + {c.peak_steps:,} steps; re-runs {c.recomputed:,} steps"
+    )

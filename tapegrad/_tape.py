@@ -176,6 +176,9 @@ class Record:
     # A scan's checkpoint schedule: keep the carry every `schedule` steps and recompute
     # each segment's residuals in backward (0: keep every step's residuals).
     schedule: int = 0
+    # A nested schedule's inner levels: the segment lengths a recomputed segment (and the
+    # remainder) is itself checkpointed with, outermost first (() for one level).
+    inner_schedule: tuple[int, ...] = ()
 
     @property
     def trip_count(self) -> int:
@@ -436,9 +439,12 @@ def loop_bytes(rec: Record) -> LoopBytes:
     shared = sum(kept[k_in] for k_in, _, _ in _carry_pairs(rec, kept))
     T = rec.trip_count
     if rec.schedule:  # carries every `schedule` steps, the remainder's residuals as usual
-        n = T // rec.schedule
+        n = 0  # a nested schedule checkpoints the remainder again, level by level
+        for k in (rec.schedule, *rec.inner_schedule):
+            if k < T:
+                n, T = n + T // k, T % k
         carry = sum(v.nbytes for v in body.inputs[nc : nc + nk])
-        return LoopBytes(step, shared, T - n * rec.schedule, n, carry)
+        return LoopBytes(step, shared, T, n, carry)
     return LoopBytes(step, shared, T)
 
 

@@ -173,7 +173,7 @@ class Budget:
         from tapegrad._tape import step_residual_bytes
 
         T = rec.trip_count
-        if rec.primitive != "scan" or rec.params.get("reverse") or T < 4:
+        if rec.primitive != "scan" or T < 4:
             return 0
         step = step_residual_bytes(rec)
         if step * T <= self.bytes or step == 0:
