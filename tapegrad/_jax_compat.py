@@ -258,11 +258,12 @@ def convert_constvars_jaxpr(jaxpr: Jaxpr) -> Jaxpr:
     return _pe().convert_constvars_jaxpr(jaxpr)
 
 
-def custom_jvp_thunk(jvp: Any, in_avals: list, record: Any) -> Any:
+def custom_jvp_thunk(jvp: Any, in_avals: list, record: Any, lower: Any = None) -> Any:
     """A ``custom_jvp_call``'s ``jvp_jaxpr_fun``, as `DynamicJaxprTrace` builds it.
 
     The rule is traced abstractly, like jax; where it needs concrete values (Python
     control flow on the primals), ``record(fun, tangent_avals)`` records it from a run.
+    ``lower`` maps each constant the rule closes over (a recorded value: its value).
     """
     import jax.extend.linear_util as lu
     from jax._src.util import partition_list
@@ -284,6 +285,8 @@ def custom_jvp_thunk(jvp: Any, in_avals: list, record: Any) -> Any:
                 store and store.reset()
             jvp_, out_zeros = pe._jvp_jaxpr_zeros(jvp, in_zeros, tuple(zero_avals))
             jaxpr, consts = record(jvp_.call_wrapped, nz)
+        if lower is not None:  # the recording's tracers a rule closes over: their values
+            consts = [lower(c) for c in consts]
         return jaxpr, consts, out_zeros()
 
     return lu.wrap_init(thunk, debug_info=jvp.debug_info)
@@ -336,3 +339,11 @@ def unhashable_value(x: Any) -> tuple[bool, Any]:
     if type(x).__name__ == "Unhashable" and hasattr(x, "val"):
         return True, x.val
     return False, x
+
+
+def trace_is_alive(tracer: Any) -> bool:
+    """Whether a tracer belongs to the trace running now (an enclosing jit), not to one
+    that has finished (jax leaves a finished make_jaxpr trace valid)."""
+    trace = getattr(tracer, "_trace", None)
+    with take_current_trace() as current:
+        return trace is current and (trace is None or trace.is_valid())

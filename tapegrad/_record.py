@@ -59,6 +59,7 @@ class _Trace(compat.Trace):
         self.parent = parent
         self.outer = outer  # the trace whose record this one is part of (a custom call's body)
         self.requires_low = False
+        self.finished = False
         self.eqns: list = []
         self.constvars: list = []
         self.consts: list = []
@@ -98,6 +99,8 @@ class _Trace(compat.Trace):
 
     # -- jax's Trace interface
     def process_primitive(self, prim, tracers, params):
+        if self.finished:
+            raise _escaped(prim)
         ins = [self.atom(t) for t in tracers]
         vals = [self.value(t) for t in tracers]
         if prim.name in _RUN_ONCE:  # no outputs: printed by the tape's own forward, once
@@ -110,7 +113,9 @@ class _Trace(compat.Trace):
     def _record_call(self, fun, tracers) -> tuple[Any, list, list]:
         """A custom call's body recorded from its run: (closed jaxpr, const atoms, outputs)."""
         sub = _Trace(self.parent, outer=self)
-        jaxpr, consts, outs = _record(sub, fun.call_wrapped, [self.value(t) for t in tracers])
+        name = getattr(fun.debug_info, "func_name", None) or "recorded"
+        vals = [self.value(t) for t in tracers]
+        jaxpr, consts, outs = _record(sub, fun.call_wrapped, vals, name)
         closed = compat.ClosedJaxpr(compat.convert_constvars_jaxpr(jaxpr), ())
         return closed, consts, outs
 
@@ -128,7 +133,9 @@ class _Trace(compat.Trace):
     def process_custom_jvp_call(self, prim, fun, jvp, tracers, *, symbolic_zeros):
         closed, consts, out_vals = self._record_call(fun, tracers)
         vals = [self.value(t) for t in tracers]
-        thunk = compat.custom_jvp_thunk(jvp, [compat.typeof(v) for v in vals], self._recorder(vals))
+        thunk = compat.custom_jvp_thunk(
+            jvp, [compat.typeof(v) for v in vals], self._recorder(vals), _lower
+        )
         ins = [self.atom(c) for c in consts] + [self.atom(t) for t in tracers]
         params = dict(
             call_jaxpr=closed,
@@ -160,17 +167,35 @@ class _Trace(compat.Trace):
         return self._emit(prim, ins, out_vals, params)
 
 
-def _record(trace: _Trace, fun: Callable, vals: Sequence[Any]) -> tuple[Any, list, list]:
+def _record(
+    trace: _Trace, fun: Callable, vals: Sequence[Any], name: str = "recorded"
+) -> tuple[Any, list, list]:
     tracers = [_Tracer(trace, v, compat.Var(compat.typeof(v))) for v in vals]
     with compat.set_current_trace(trace):
         outs = fun(*tracers)
     out_atoms = [trace.atom(o) for o in outs]
     out_vals = [trace.value(o) for o in outs]
     jaxpr = compat.new_jaxpr(
-        trace.constvars, [t.jvar for t in tracers], out_atoms, trace.eqns, "recorded"
+        trace.constvars, [t.jvar for t in tracers], out_atoms, trace.eqns, name
     )
-    trace.invalidate()
+    # Not invalidated: a custom_jvp rule that closes over a recorded value is traced
+    # later, and jax lifts a tracer of a valid trace as a constant (`_lower` takes its
+    # value). Any other use of a leaked tracer raises (`process_primitive`).
+    trace.finished = True
     return jaxpr, trace.consts, out_vals
+
+
+def _lower(c: Any) -> Any:
+    # One level: under an outer trace the value is that trace's tracer (still traced).
+    return c.cval if isinstance(c, _Tracer) else c
+
+
+def _escaped(prim) -> Exception:
+    return jax.errors.UnexpectedTracerError(
+        f"A value recorded while tapegrad ran a function with Python control flow was used "
+        f"after that run ended (by '{prim}'): the function stored it outside (a global, an "
+        "attribute, a list it returned through a side channel). Return values instead."
+    )
 
 
 def record_jaxpr(fun: Callable, args: Sequence[Any]) -> Any:

@@ -31,7 +31,7 @@ from tapegrad._record import is_concrete, record_jaxpr
 from tapegrad._tape import Lit, Record, Region, Saved, Tape, Var, as_dtype
 from tapegrad.errors import ReverseModeError
 from tapegrad.rules import FALLBACK, NONDIFF, WHILE_ERROR, lookup
-from tapegrad.rules.custom_jvp import expand_custom_jvp, share_outputs
+from tapegrad.rules.custom_jvp import ClosesOverTracer, expand_custom_jvp, share_outputs
 
 __all__ = ["trace_flat", "is_differentiable_dtype"]
 
@@ -171,6 +171,7 @@ def trace_flat(
     in_tree: Any = None,
     out_tree_fn: Callable[[], Any] | None = None,
     owner: Any = None,
+    recorded: bool = False,
 ) -> Tape:
     """Trace ``flat_fun(*flat_args)`` into a `Tape`.
 
@@ -178,15 +179,18 @@ def trace_flat(
     ``diff_outputs`` whether each output receives a cotangent (default: all).
     ``owner`` (the user's function) lets a later call with the same program reuse the
     tape built for this one (`_TAPES`); its records name that function's lines.
+    ``recorded``: build the tape from a concrete run (`tapegrad._record`), not a trace.
     """
-    try:
-        closed = jax.make_jaxpr(flat_fun)(*flat_args)
-    except compat.NEEDS_CONCRETE:
-        # Python control flow on values (`if x > 0:`): jax.grad runs such a function on
-        # concrete values, and so do we when the inputs are concrete (not under jit).
-        if not is_concrete(flat_args):
-            raise
-        closed = None
+    closed = None
+    if not recorded:
+        try:
+            closed = jax.make_jaxpr(flat_fun)(*flat_args)
+        except compat.NEEDS_CONCRETE:
+            # Python control flow on values (`if x > 0:`): jax.grad runs such a function
+            # on concrete values, and so do we when the inputs are concrete (not under jit).
+            if not is_concrete(flat_args):
+                raise
+            recorded = True
     if closed is None:  # outside the except: an error while recording is the only one shown
         closed = record_jaxpr(flat_fun, flat_args)
     n_out = len(closed.jaxpr.outvars)
@@ -202,7 +206,15 @@ def trace_flat(
     if cached is not None:
         tape, old_lits = cached
         return _with_values(tape, closed.consts, old_lits, lits)
-    tape, top_lits = _build(closed, active_inputs, diff, in_tree, out_tree)
+    try:
+        tape, top_lits = _build(closed, active_inputs, diff, in_tree, out_tree)
+    except ClosesOverTracer as e:
+        if recorded or not is_concrete(flat_args):
+            raise ReverseModeError(_closure_message(e)) from None
+        # Recorded, the rule closes over concrete values instead of a finished trace's.
+        return trace_flat(
+            flat_fun, flat_args, active_inputs, diff, in_tree, out_tree_fn, None, True
+        )
     if key is not None:
         if len(top_lits) == len(lits) and all(
             o.shape == tuple(n.aval.shape) for o, n in zip(top_lits, lits)
@@ -216,6 +228,17 @@ def trace_flat(
 # (its equations and avals): the call's closed-over arrays and its literals' values (a
 # learning rate, a temperature) are swapped in, never part of the key.
 _TAPES = BoundedCache("trace.tapes", max_entries=256)
+
+
+def _closure_message(e: ClosesOverTracer) -> str:
+    return (
+        f"The JVP rule of the custom_jvp function '{e.args[0]}' closes over a value computed "
+        "inside the differentiated function. tapegrad differentiates such a rule only "
+        "eagerly (concrete inputs, not under jax.jit, jax.vmap or an outer tg.grad), and "
+        "only when that value does not depend on the differentiated inputs (the rule gives "
+        "no tangent for it). Pass the value to the custom_jvp function as an argument (or "
+        "use jax.closure_convert) and give its tangent in the rule."
+    )
 
 
 def _tape_key(closed, active, diff, in_tree, out_tree, owner, lits: list) -> Any:
@@ -433,6 +456,11 @@ def _build(closed, active_inputs, diff_outputs, in_tree, out_tree) -> tuple[Tape
             )
             continue
         act_in = tuple(type(i) is Var and i.id in active and i.id in useful for i in ins)
+        if raw.name == "custom_jvp_rule":
+            nc = raw.params["rule"].call_params["num_consts"]
+            if any(act_in[:nc]):  # the rule gives no tangent for what it closes over
+                err = ClosesOverTracer(raw.params["name"])
+                raise ReverseModeError(f"{_closure_message(err)} ({frame_str(raw.source_info)})")
         if raw.name in STRUCTURED:
             records.append(_structured_record(k, raw, act_in, body_act[k], active, useful))
             continue

@@ -216,3 +216,15 @@ def test_function_whose_forward_and_backward_branch():
 def test_array_methods_on_recorded_values():
     f = lambda x: x.var() + x.mean() if x.mean() > 0 else x.sum()
     assert_grads_match(f, X)
+
+
+def test_a_value_leaked_from_a_recorded_run_raises_when_used():
+    leaked = []
+
+    def f(x):
+        leaked.append(x * 2.0)
+        return jnp.sum(x**2) if x[0] > 0 else jnp.sum(x)
+
+    tg.grad(f)(X)
+    with pytest.raises(jax.errors.UnexpectedTracerError):
+        jnp.sin(leaked[-1])

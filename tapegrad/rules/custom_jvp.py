@@ -47,7 +47,7 @@ from tapegrad import _jax_compat as compat
 from tapegrad._caches import BoundedCache, array_bytes
 from tapegrad.rules._registry import Rule, defrule
 
-__all__ = ["expand_custom_jvp", "custom_jvp_rule_p", "share_outputs"]
+__all__ = ["ClosesOverTracer", "expand_custom_jvp", "custom_jvp_rule_p", "share_outputs"]
 
 Ref = tuple[str, int]
 
@@ -147,12 +147,18 @@ def expand_custom_jvp(params, in_avals: Sequence[Any], source_info: Any = None):
         return None
     try:
         jaxpr, consts, out_zeros = compat.custom_jvp_jaxpr(dict(params), [not d for d in diff])
+    except jax.errors.UnexpectedTracerError as e:
+        raise ClosesOverTracer(_name_of(params)) from e
     except Exception:
         # The rule fails to trace. jax would raise when differentiating; so does the
         # generic rule, in backward, with jax's message.
         return None
-    if jaxpr.effects or any(isinstance(c, jax.core.Tracer) for c in consts):
-        # A rule closing over a traced value cannot be evaluated outside its trace.
+    tracers = [c for c in consts if isinstance(c, jax.core.Tracer)]
+    if any(not compat.trace_is_alive(c) for c in tracers):
+        raise ClosesOverTracer(_name_of(params))  # of the function's own, finished trace
+    if jaxpr.effects or tracers:
+        # The rule closes over a value of an enclosing trace (an outer jit), alive while
+        # backward runs inside it: the generic rule re-binds the call there.
         return None
     try:
         exp = _split(jaxpr, consts, out_zeros, nc, diff, len(out_avals))
@@ -178,6 +184,12 @@ def _differentiable(aval) -> bool:
 
 class _Unsplittable(Exception):
     pass
+
+
+class ClosesOverTracer(Exception):
+    """A custom_jvp rule closes over a value traced with the function (``y`` in
+    ``def rule(...): ... * y`` defined inside it): it can only be evaluated inside that
+    trace. Eagerly the tape is recorded from a run instead (`tapegrad._record`)."""
 
 
 def _flatten(jaxpr, env: dict, eqns: list) -> list:

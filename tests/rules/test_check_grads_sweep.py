@@ -118,7 +118,8 @@ def _softclip_jvp(primals, tangents):
 
 
 def _closure_custom_jvp(x, y):
-    # The JVP rule closes over the traced ``y``: tapegrad keeps a custom_jvp_call record.
+    # The JVP rule closes over the traced ``y``: differentiated with respect to y, that
+    # path has no tangent in the rule (jax.grad fails too): tapegrad raises.
     @jax.custom_jvp
     def g(x):
         return jnp.sin(x) * y
@@ -128,6 +129,12 @@ def _closure_custom_jvp(x, y):
         return g(p[0]), jnp.cos(p[0]) * y * t[0]
 
     return g(x)
+
+
+def _closure_over_inner_value(x):
+    # The rule closes over a value computed inside the function that does not depend on
+    # x (a traced constant): eagerly the tape is recorded from a run and the rule split.
+    return _closure_custom_jvp(x, jnp.cos(jnp.arange(3.0, dtype=x.dtype)) + 1.5)
 
 
 @jax.custom_jvp
@@ -514,14 +521,12 @@ CASES: list[Case] = [
     C("custom_jvp_rule", "relu", lambda x: jax.nn.relu(x) * x, domain=("signed", 0.2, 1.0)),
     C("custom_jvp_call", "effectful", lambda x: _noisy(x) * x),
     C(
-        "custom_jvp_call",
-        "closes_over_traced",
-        _closure_custom_jvp,
-        ((3,), (3,)),
+        "custom_jvp_rule",
+        "closes_over_inner_value",
+        _closure_over_inner_value,
+        ((3,),),
         batch=False,
         order=1,
-        xfail="the generic custom_jvp_call rule binds the call again in backward, and its "
-        "JVP rule still closes over the trace-time tracer of y: UnexpectedTracerError",
     ),
     C("custom_vjp_call", "custom_vjp", lambda x: _cube(x) * x),
     *_special_makers(),
@@ -815,3 +820,18 @@ def test_while_has_no_reverse_mode_like_jax():
         jax.vjp(f, 1.0)[1](1.0)
     with pytest.raises(tg.errors.ReverseModeError, match="while_loop"):
         tg.vjp(f, 1.0)[1](1.0)
+
+
+def test_a_rule_closing_over_a_differentiated_value_raises():
+    x, y = jnp.array([0.3, 0.5, 0.7]), jnp.array([1.0, 2.0, 3.0])
+    with pytest.raises(tg.errors.ReverseModeError, match="closes over") as e:
+        tg.grad(lambda x, y: jnp.sum(_closure_custom_jvp(x, y)), argnums=1)(x, y)
+    assert "test_check_grads_sweep.py" in str(e.value)  # the user's line
+    # Not differentiated with respect to y: the rule's own derivative, recorded eagerly.
+    g = tg.grad(lambda x, y: jnp.sum(_closure_custom_jvp(x, y)))(x, y)
+    np.testing.assert_allclose(g, jnp.cos(x) * y, rtol=1e-6)
+    with pytest.raises(tg.errors.ReverseModeError, match="only eagerly"):  # jax raises too
+        jax.jit(tg.grad(lambda x, y: jnp.sum(_closure_custom_jvp(x, y)), argnums=1))(x, y)
+    # Under jit, y not differentiated is a value of the enclosing jit, alive in backward.
+    g = jax.jit(tg.grad(lambda x, y: jnp.sum(_closure_custom_jvp(x, y))))(x, y)
+    np.testing.assert_allclose(g, jnp.cos(x) * y, rtol=1e-6)
