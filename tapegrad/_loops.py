@@ -217,6 +217,7 @@ def _carry_pairs(rec: Record, keys) -> list[tuple[int, int, int]]:
 def _scan_forward(rec: Record, ins: list, res, observer) -> tuple[list, Any]:
     if rec.schedule and observer is None:
         return _segmented_forward(rec, ins, res)
+    ins = _arrays(ins)  # a scheduled scan's innermost segment: its inputs' steps
     p = rec.params
     body = rec.bodies[0]
     nc, nk, T = p["num_consts"], p["num_carry"], int(p["length"])
@@ -282,6 +283,7 @@ def _scan_forward(rec: Record, ins: list, res, observer) -> tuple[list, Any]:
 def _scan_backward(rec: Record, x: list, stored: Any, gs: list, retain: bool, observer) -> list:
     if isinstance(stored, _Segmented):
         return _segmented_backward(rec, x, stored, gs, retain)
+    x, gs = _arrays(x), _arrays(gs)
     p = rec.params
     body = rec.bodies[0]
     nc, nk, T = p["num_consts"], p["num_carry"], int(p["length"])
@@ -600,14 +602,47 @@ def _split(rec: Record) -> tuple[int, int, int]:
     return k, T // k, T - (T // k) * k
 
 
-def _run_slice(v, start, size: int, T: int, reverse: bool):
-    """Steps ``start`` to ``start + size`` of a ``T``-step scan, counted in the order it
-    runs them: a slice of ``v`` (a reverse scan runs its inputs last to first, so its
-    slice is taken from the end and flipped). Slicing segment by segment, rather than
-    reshaping or flipping the whole input, copies one segment at a time."""
-    if not reverse:
-        return lax.dynamic_slice_in_dim(v, start, size)
-    return jnp.flip(lax.dynamic_slice_in_dim(v, T - start - size, size), 0)
+class _Window:
+    """Steps ``start`` to ``start + length`` of a scanned input (or a ys cotangent), counted
+    in the order the scan runs them (``rev``: it runs ``base`` last to first). A nested
+    schedule hands its segments windows, not slices: only the innermost segment, and one
+    step at a time of a plain forward run, are ever copied out of ``base``."""
+
+    __slots__ = ("base", "start", "length", "rev")
+
+    def __init__(self, base, start, length: int, rev: bool):
+        self.base, self.start, self.length, self.rev = base, start, length, rev
+
+    def take(self, start, size: int) -> _Window:
+        return _Window(self.base, self.start + start, size, self.rev)
+
+    def step(self, t):
+        """Step ``t`` (may be traced) of the window."""
+        i = self.start + t
+        i = self.base.shape[0] - 1 - i if self.rev else i
+        return lax.dynamic_index_in_dim(self.base, i, keepdims=False)
+
+    def array(self):
+        if not self.rev:
+            return lax.dynamic_slice_in_dim(self.base, self.start, self.length)
+        end = self.base.shape[0] - self.start - self.length
+        return jnp.flip(lax.dynamic_slice_in_dim(self.base, end, self.length), 0)
+
+
+def _window(v, rev: bool):
+    """A scanned input as a window of all its steps (None and windows pass through)."""
+    if v is None or isinstance(v, _Window):
+        return v
+    return _Window(v, 0, v.shape[0], rev)
+
+
+def _arrays(vals: Sequence[Any]) -> list:
+    return [v.array() if isinstance(v, _Window) else v for v in vals]
+
+
+def _leaves(vals: Sequence[Any]) -> list:
+    """The arrays behind ``vals`` (a window's base and start), for `_concrete`."""
+    return [x for v in vals for x in ((v.base, v.start) if isinstance(v, _Window) else (v,))]
 
 
 def _segmented_forward(rec: Record, ins: list, res) -> tuple[list, _Segmented]:
@@ -616,22 +651,23 @@ def _segmented_forward(rec: Record, ins: list, res) -> tuple[list, _Segmented]:
 
     p, body = rec.params, rec.bodies[0]
     nc, nk = p["num_consts"], p["num_carry"]
-    rev, T = bool(p["reverse"]), int(p["length"])
+    rev = bool(p["reverse"])  # top level only: nested segments run forward over windows
     k, n, r = _split(rec)
-    consts, init, xs = ins[:nc], list(ins[nc : nc + nk]), ins[nc + nk :]
+    consts, init = ins[:nc], list(ins[nc : nc + nk])
+    xs = [_window(v, rev) for v in ins[nc + nk :]]
 
-    def plain_step(carry, x):  # forward only: nothing is kept
-        outs, _ = forward(body, [*consts, *carry, *x], SAVE)
+    def plain_step(carry, t):  # forward only: nothing is kept
+        outs, _ = forward(body, [*consts, *carry, *(v.step(t) for v in xs)], SAVE)
         return _coerce(outs[:nk], body.outputs[:nk]), _coerce(outs[nk:], body.outputs[nk:])
 
     def segment(carry, i):
-        xseg = [_run_slice(v, i * k, k, T, rev) for v in xs]
-        out, ys = lax.scan(plain_step, carry, xseg, length=k, unroll=p["unroll"])
+        steps = i * k + jnp.arange(k)
+        out, ys = lax.scan(plain_step, carry, steps, length=k, unroll=p["unroll"])
         return out, (ys, carry)
 
     carry, (ys_main, checkpoints) = lax.scan(segment, init, jnp.arange(n), length=n)
     # Segments and remainder run forward over the steps in the scan's own order.
-    rem_ins = [*consts, *carry, *(_run_slice(v, n * k, r, T, rev) for v in xs)]
+    rem_ins = [*consts, *carry, *(v.take(n * k, r) for v in xs)]
     outs_rem, rem = _scan_forward(_part(rec, r, None, rec.inner_schedule), rem_ins, res, None)
     ys = [
         jnp.concatenate([y.reshape((n * k,) + y.shape[2:]), y_rem])
@@ -648,10 +684,11 @@ def _segmented_backward(rec: Record, x: list, st: _Segmented, gs: list, retain: 
     p, body = rec.params, rec.bodies[0]
     nc, nk = p["num_consts"], p["num_carry"]
     n_xs = len(rec.inputs) - nc - nk
-    rev, T = bool(p["reverse"]), int(p["length"])
+    rev = bool(p["reverse"])
     k, n, r = _split(rec)
     c_act = _active_carries(rec)
-    consts, xs, g_ys = x[:nc], x[nc + nk :], gs[nk:]
+    consts = x[:nc]
+    xs, g_ys = [_window(v, rev) for v in x[nc + nk :]], [_window(g, rev) for g in gs[nk:]]
     x_in = [rec.inputs[nc + nk + j] for j in range(n_xs)]
 
     def carry_cts(in_cts):
@@ -663,7 +700,7 @@ def _segmented_backward(rec: Record, x: list, st: _Segmented, gs: list, retain: 
         ]
 
     def steps(vals, start, size):
-        return [None if v is None else _run_slice(v, start, size, T, rev) for v in vals]
+        return [None if v is None else v.take(start, size) for v in vals]
 
     # The remainder ran last: its backward comes first.
     x_rem = [*consts, *([None] * nk), *steps(xs, n * k, r)]
@@ -695,7 +732,7 @@ def _segmented_backward(rec: Record, x: list, st: _Segmented, gs: list, retain: 
         ]
         return (carry_cts(in_cts), acc), ct_x
 
-    if not st.res.plain and _concrete([*consts, *xs, *jax.tree.leaves(st.checkpoints)]):
+    if not st.res.plain and _concrete(_leaves([*consts, *xs, *jax.tree.leaves(st.checkpoints)])):
         per_seg: list[Any] = [None] * n
         for i in reversed(range(n)):  # eagerly, the policy sees concrete steps
             inp = ([c[i] for c in st.checkpoints], i)
