@@ -336,6 +336,9 @@ def _scan_backward(rec: Record, x: list, stored: Any, gs: list, retain: bool, ob
             ct_xs_t[t] = in_cts[nc + nk :]
             if not retain:
                 stored.steps[t] = None
+            else:  # the step's slices go back in next time: a retained step keeps none
+                for j in xs_pos:
+                    r.store.pop(body.inputs[nc + nk + j].id, None)
         ct_xs = [
             _stack_cts([ct_xs_t[t][j] for t in range(T)], rec.inputs[nc + nk + j])
             if x_act[j]
