@@ -57,18 +57,13 @@ def _cotangent(out, seed: int = 1):
 # Every T, every schedule, both directions, eager and under jit, with ys outputs.
 CASES = [
     (1, "sqrt2", False, False),
-    (2, "log", True, False),
-    (2, "k3x3", False, True),
+    (2, "log", True, True),
     (7, "sqrt", True, False),
-    (7, "sqrt2", True, True),
-    (7, "log", False, False),
-    (64, "sqrt2", False, False),
-    (64, "log", True, True),
-    (64, "k3x3", True, False),
+    (7, "k3x3", False, True),
+    (64, "sqrt2", True, True),
+    (64, "log", False, False),
+    (100, "k3x3", True, False),
     (100, "sqrt", False, True),
-    (100, "sqrt2", True, False),
-    (100, "k3x3", False, False),
-    (100, "log", False, True),
 ]
 
 
@@ -204,14 +199,16 @@ class _PeakSpy:
     """A `save()`-like policy that measures live device bytes whenever backward unpacks a
     residual (eagerly a non-`save` policy sees concrete steps one at a time)."""
 
-    def __init__(self):
-        self.peak = 0
+    def __init__(self, every: int = 1):
+        self.peak, self.every, self.calls = 0, every, 0
 
     def pack(self, value, info):
         return value
 
     def unpack(self, packed, info):
-        self.peak = max(self.peak, _live_device_bytes())
+        self.calls += 1
+        if self.calls % self.every == 0:  # sampling is slow with many live arrays
+            self.peak = max(self.peak, _live_device_bytes())
         return packed
 
 
@@ -279,7 +276,7 @@ def test_retained_steps_do_not_keep_their_input_slices():
         h, ys = lax.scan(body, jnp.zeros((B, D)), xs)
         return jnp.mean(h**2) + jnp.mean(ys)
 
-    spy = _PeakSpy()
+    spy = _PeakSpy(every=8)  # the slices pile up to the last step: late samples see them
     gc.collect()
     gc.freeze()
     try:
