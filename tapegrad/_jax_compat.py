@@ -148,7 +148,7 @@ def custom_vjp_backward(params: dict, res: list, cts: list) -> list:
     out = params["bwd"].call_wrapped(*res, *cts)
     # A Python or numpy scalar is a cotangent (``g * n`` with an int ``n``), as in jax.
     return [
-        (jax.numpy.asarray(c) if isinstance(c, _SCALARS) else c) if _is_array_like(c) else None
+        (jax.numpy.asarray(c) if isinstance(c, SCALARS) else c) if _is_array_like(c) else None
         for c in out
     ]
 
@@ -203,12 +203,12 @@ def is_drop_var(v: Any) -> bool:
     return isinstance(v, jex_core.DropVar)
 
 
-_SCALARS = (int, float, complex, np.generic)
+SCALARS = (int, float, complex, np.generic)  # Python and numpy scalars (bool is an int)
 
 
 def _is_array_like(x: Any) -> bool:
     return (
-        isinstance(x, (jax.Array, _core.Tracer, *_SCALARS))
+        isinstance(x, (jax.Array, _core.Tracer, *SCALARS))
         or hasattr(x, "__jax_array__")
         or (hasattr(x, "shape") and hasattr(x, "dtype") and not type(x).__name__.endswith("Zero"))
     )

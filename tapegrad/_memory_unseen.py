@@ -57,7 +57,7 @@ def vjp_residual_bytes(rec: Record) -> int:
     ``checkpoint``) materializes on top of what the report sees. Found abstractly, from
     `jax.make_jaxpr` of the same `jax.vjp` call the rule makes, on the record's avals:
     the output variables of the residual pytree that are not input variables."""
-    from tapegrad.rules.control import _bind
+    from tapegrad.rules.control import primitive_vjp
 
     var_pos = [i for i, v in enumerate(rec.inputs) if not isinstance(v, Lit)]
     active = [i for i, a in enumerate(rec.active) if a and i in var_pos]
@@ -66,14 +66,7 @@ def vjp_residual_bytes(rec: Record) -> int:
         full: list[Any] = [v.value if isinstance(v, Lit) else None for v in rec.inputs]
         for i, x in zip(var_pos, vals):
             full[i] = x
-
-        def f(*act):
-            args = list(full)
-            for i, x in zip(active, act):
-                args[i] = x
-            return _bind(rec, args)
-
-        _, vjp_fn = jax.vjp(f, *[full[i] for i in active])
+        _, vjp_fn = primitive_vjp(rec, full, active)
         return tree_util.tree_leaves(vjp_fn)
 
     avals = [jax.ShapeDtypeStruct(rec.inputs[i].shape, rec.inputs[i].dtype) for i in var_pos]

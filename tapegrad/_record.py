@@ -28,7 +28,6 @@ from tapegrad import _jax_compat as compat
 
 __all__ = ["record_jaxpr", "is_concrete"]
 
-_SCALARS = (bool, int, float, complex, np.generic)
 # Effects without outputs (jax.debug.print/callback): recorded, not run, so that they run
 # once, in the forward that replays the recording.
 _RUN_ONCE = frozenset({"debug_callback", "debug_print"})
@@ -80,7 +79,7 @@ class _Trace(compat.Trace):
     def atom(self, x: Any) -> Any:
         if self._mine(x):
             return x.jvar
-        if isinstance(x, _SCALARS):
+        if isinstance(x, compat.SCALARS):
             return compat.Literal(x, compat.typeof(x))
         var = self._const_of.get(id(x))
         if var is None:  # a closed-over array (kept alive by self.consts, so ids stay unique)

@@ -105,10 +105,7 @@ def _check_input_dtype(x, allow_int: bool, holomorphic: bool, fun_name: str) -> 
 
 
 def _zero_cotangent(x):
-    dt = _dtype_of(x)
-    if jnp.issubdtype(dt, jnp.inexact):
-        return jnp.zeros(np.shape(x), dt)
-    return np.zeros(np.shape(x), jax.dtypes.float0)
+    return _zero_cotangent_spec(x)()
 
 
 class _Traced:
@@ -333,6 +330,7 @@ class _Pullback:
 
 
 def _zero_cotangent_spec(x) -> Callable[[], Any]:
+    """x's zero cotangent, made when called (float0 for integer inputs, as jax)."""
     shape, dt = np.shape(x), _dtype_of(x)
     if jnp.issubdtype(dt, jnp.inexact):
         return lambda: jnp.zeros(shape, dt)

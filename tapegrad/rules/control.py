@@ -42,10 +42,9 @@ def _save_var_inputs(p, ins, outs, active):
     return tuple(("in", i) for i, v in enumerate(ins) if not isinstance(v, Lit))
 
 
-def _vjp_of_primitive(p, r, cts, active):
-    rec = r.record
-    vals = [r.x[i] if r.x[i] is not None else rec.inputs[i].value for i in range(len(rec.inputs))]
-    idx = [i for i, a in enumerate(active) if a]
+def primitive_vjp(rec, vals: list, idx: list[int]):
+    """`jax.vjp` of ``rec``'s primitive in its inputs ``idx``, the others fixed at ``vals``:
+    what the generic rule runs in backward (and `memory_report` estimates abstractly)."""
 
     def f(*act):
         full = list(vals)
@@ -53,7 +52,14 @@ def _vjp_of_primitive(p, r, cts, active):
             full[i] = v
         return _bind(rec, full)
 
-    _, f_vjp = jax.vjp(f, *[vals[i] for i in idx])
+    return jax.vjp(f, *[vals[i] for i in idx])
+
+
+def _vjp_of_primitive(p, r, cts, active):
+    rec = r.record
+    vals = [r.x[i] if r.x[i] is not None else rec.inputs[i].value for i in range(len(rec.inputs))]
+    idx = [i for i, a in enumerate(active) if a]
+    _, f_vjp = primitive_vjp(rec, vals, idx)
     full_cts = [c if c is not None else _zero_ct(o) for c, o in zip(cts, rec.outputs)]
     in_cts = f_vjp(full_cts)
     out: list[Any] = [None] * len(rec.inputs)
