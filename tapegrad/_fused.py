@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -135,12 +136,34 @@ def _is_program(v: Any) -> bool:
     )
 
 
+# Records are immutable: a record's key is computed once (a cached tape hands the same
+# records to every call of its program; only records whose literals changed are new).
+# A loop record's key is not kept: its bodies' rules are looked up anew.
+_RECORD_KEYS: weakref.WeakKeyDictionary[Record, tuple] = weakref.WeakKeyDictionary()
+
+
 def _record_key(rec: Record) -> tuple:
+    rule = lookup(rec.primitive) if rec.rule != "none" else None
+    hit = _RECORD_KEYS.get(rec)
+    if hit is not None and hit[0] is rule:  # a redefined rule is a new key
+        if hit[1] is None:
+            raise NoKey
+        return hit[1]
+    try:
+        key = _compute_record_key(rec, rule)
+    except NoKey:
+        _RECORD_KEYS[rec] = (rule, None)
+        raise
+    if not _runs_bodies(rec):
+        _RECORD_KEYS[rec] = (rule, key)
+    return key
+
+
+def _compute_record_key(rec: Record, rule: Any) -> tuple:
     prim = rec.prim
     if prim is None or getattr(prim, "effectful", False):
         raise NoKey
     bodies = _runs_bodies(rec)
-    rule = lookup(rec.primitive) if rec.rule != "none" else None
     return (
         prim,
         rec.primitive,

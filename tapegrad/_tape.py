@@ -134,7 +134,7 @@ class Saved:
         return f"{tag}{self.index}"
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)
 class Record:
     """One primitive application on the tape.
 

@@ -4,6 +4,8 @@ Python constant or branch is seen at once."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -204,3 +206,32 @@ def test_fused_control_flow_sees_changed_constants_in_its_body(compile_at_once):
         cfg.update(decay=decay, w=rand((4,), seed=seed))
         assert_trees_close(tg.grad(f)(xs), jax.grad(f)(xs))
     assert compile_at_once and all(compile_at_once)
+
+
+def test_record_keys_are_computed_once_and_follow_a_redefined_rule(monkeypatch):
+    """A cached tape hands the same (immutable) records to every call, so each record's
+    key is computed once; redefining a primitive's rule must still give a new key, or a
+    program compiled with the old rule would be reused."""
+    from tapegrad.rules import _registry
+
+    tape = tg.trace(lambda x: jnp.sum(jnp.sin(x) * 2.0))(jnp.ones(3))
+    computed = []
+    real = _fused._compute_record_key
+
+    def count(rec, rule):
+        computed.append(rec.primitive)
+        return real(rec, rule)
+
+    monkeypatch.setattr(_fused, "_compute_record_key", count)
+    first = _fused.grad_key(tape)
+    n = len(computed)
+    assert first is not None and n == len(tape.records)
+    assert _fused.grad_key(tape) == first and len(computed) == n  # all from the memo
+    old = _registry.RULES["sin"]
+    new = dataclasses.replace(old, vjp=lambda *a: old.vjp(*a))  # the same maths, a new rule
+    monkeypatch.setitem(_registry.RULES, "sin", new)
+    again = _fused.grad_key(tape)
+    assert again != first and computed[n:] == ["sin"]
+    x = rand((3,), seed=2)
+    f = lambda x: jnp.sum(jnp.sin(x) * 2.0)  # noqa: E731
+    assert_trees_close(tg.grad(f)(x), jax.grad(f)(x))
