@@ -2,6 +2,7 @@
 
     python bench/fuzz.py                          # 10,000 programs, a fresh seed
     python bench/fuzz.py --programs 500 --seed 7  # fewer, reproducible
+    python bench/fuzz.py --minutes 60             # as many as an hour allows
 
 Programs come from tests/_fuzz_programs.py (the generator the in-suite fuzz tests use);
 half are smooth (no abs/max/where/relu), and only those run under the compressing
@@ -73,6 +74,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--programs", type=int, default=10_000)
     ap.add_argument("--seed", type=int, default=None, help="default: a fresh one")
+    ap.add_argument("--minutes", type=float, default=None, help="stop after this long")
     ap.add_argument("--keep", type=int, default=25, help="counterexamples written per run")
     ap.add_argument("--no-write", action="store_true", help="do not append counterexamples")
     args = ap.parse_args()
@@ -88,6 +90,9 @@ def main() -> None:
     found: list[dict] = []
     t0 = time.perf_counter()
     for i in range(args.programs):
+        if args.minutes is not None and time.perf_counter() - t0 > 60 * args.minutes:
+            print(f"  stopped after {args.minutes:g} minutes (--minutes)")
+            break
         smooth = i % 2 == 1
         prog = generate(RandomDraw(rng), smooth=smooth)
         f, xs = build(prog), inputs(prog)
