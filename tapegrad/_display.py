@@ -718,13 +718,23 @@ def report_head(rep) -> list[str]:
     comp = sum(r.compressed_bytes for r in rep.records)
     beyond = rep.residual_bytes - rep.input_bytes
     peak_beyond = getattr(rep, "peak_beyond_inputs_bytes", rep.peak_bytes - rep.input_bytes)
+    ndev = getattr(rep, "devices", 1)
+    per = " per device" if ndev > 1 else ""
     lines.append(
         clip(
-            f"  backward holds {beyond:,} B beyond the inputs; peak {peak_beyond:,} B "
+            f"  backward holds {beyond:,} B{per} beyond the inputs; peak {peak_beyond:,} B "
             "beyond the inputs",
             WIDTH,
         )
     )
+    if ndev > 1:
+        lines.append(
+            clip(
+                f"  (values sharded over {ndev} devices: each counts the shard one device "
+                "holds, all of it if replicated)",
+                WIDTH,
+            )
+        )
     lines.append(
         clip(
             f"  + the inputs themselves {rep.input_bytes:,} B, kept as they are (the caller "

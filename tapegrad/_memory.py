@@ -27,7 +27,7 @@ from tapegrad._memory_unseen import (
     unseen_notes,
     vjp_residual_bytes,
 )
-from tapegrad._tape import Record, Tape, as_dtype, loop_bytes
+from tapegrad._tape import Record, Tape, array_nbytes, as_dtype, loop_bytes
 from tapegrad.policies._base import is_plain, resolve_policy
 from tapegrad.policies.budget import Budget, segment_flops
 
@@ -107,6 +107,10 @@ class MemoryReport:
     * ``unseen``: records whose backward runs `jax.vjp`, with an estimate of the
       residuals jax makes inside it (counted in the peaks as a transient while that
       record's backward runs), and ``notes``, one line per such source line.
+
+    Values sharded over several devices (``devices`` > 1) count the bytes one device
+    holds: an array its shard (a replicated array all of it), a value the report
+    estimates from its type its shard under Explicit mesh axes, else all of it.
     """
 
     policy: Any
@@ -137,6 +141,10 @@ class MemoryReport:
     notes: tuple[str, ...] = ()
     peak_beyond_inputs_bytes: int = 0
     unseen: tuple[UnseenBackward, ...] = ()
+    # Devices the measured arrays are spread over. With more than one, every byte count
+    # is per device: an array counts its shard's bytes (a replicated one, all of them),
+    # which is what must fit in one device's memory.
+    devices: int = 1
 
     @property
     def beyond_inputs_bytes(self) -> int:
@@ -277,9 +285,9 @@ def _leaf_bytes(packed) -> tuple[int, int, list]:
             continue
         kind = getattr(getattr(leaf, "sharding", None), "memory_kind", None) or "device"
         if "host" in kind:
-            host += leaf.nbytes
+            host += array_nbytes(leaf)
         else:
-            dev += leaf.nbytes
+            dev += array_nbytes(leaf)
         dtypes.append(as_dtype(leaf.dtype))
     return dev, host, dtypes
 
@@ -307,9 +315,9 @@ def _measure(packed, info, runs: int = 1, seen: set[int] | None = None) -> _Acc:
         new += 1
         kind = getattr(getattr(leaf, "sharding", None), "memory_kind", None) or "device"
         if "host" in kind:
-            h += leaf.nbytes
+            h += array_nbytes(leaf)
         else:
-            d += leaf.nbytes
+            d += array_nbytes(leaf)
     if dts and not new:
         return [0] * 5  # all shared with a value counted already
     comp = info is not None and any(dt != info.dtype for dt in dts)
@@ -604,7 +612,7 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
     for k in sizes:
         v = res.store[k]
         if _is_loop_store(v):
-            n = sum(a.nbytes for a in _arrays(v) if id(a) in arg_ids)
+            n = sum(array_nbytes(a) for a in _arrays(v) if id(a) in arg_ids)
         else:
             n = sizes[k] if any(id(x) in arg_ids for x in tree_util.tree_leaves(v)) else 0
         if n:
@@ -725,7 +733,15 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
         unseen_notes([u for _, u in unseen]),
         peak_beyond,
         tuple(u for _, u in unseen),
+        _devices(list(res.store.values()) + list(args)),
     )
+
+
+def _devices(values: Any) -> int:
+    n = 1
+    for leaf in tree_util.tree_leaves(values):
+        n = max(n, len(getattr(getattr(leaf, "sharding", None), "device_set", ())))
+    return n
 
 
 def _planner_of(policy: Any) -> Any:

@@ -7,6 +7,8 @@ runs (values, residual stores, cotangents) lives in the interpreter.
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -57,6 +59,45 @@ def aval_str(shape: tuple[int, ...], dtype: Any) -> str:
     return f"{_short_dtype(dtype)}[{','.join(map(str, shape))}]"
 
 
+def device_nbytes(shape: tuple[int, ...], dtype: Any, sharding: Any = None) -> int:
+    """Bytes one device holds of a value of this type. A type-level sharding over a mesh
+    (jax's Explicit axes: ``aval.sharding``) splits the value into shards, and a device
+    holds one: what a per-device budget must count. Auto axes leave the sharding to the
+    compiler, so the type says nothing and the whole value is counted (an upper bound;
+    `tg.memory_report` measures the real arrays' shards)."""
+    if sharding is None:
+        return math.prod(shape) * itemsize(dtype)
+    try:
+        return _shard_nbytes(tuple(shape), dtype, sharding)
+    except TypeError:  # an unhashable sharding
+        return _shard_nbytes.__wrapped__(tuple(shape), dtype, sharding)
+
+
+@functools.lru_cache(maxsize=4096)
+def _shard_nbytes(shape: tuple[int, ...], dtype: Any, sharding: Any) -> int:
+    n = math.prod(shape) * itemsize(dtype)
+    mesh = getattr(sharding, "mesh", None)
+    if n == 0 or mesh is None or getattr(mesh, "empty", True):
+        return n
+    try:
+        return math.prod(sharding.shard_shape(shape)) * itemsize(dtype)
+    except Exception:  # noqa: BLE001 -- a shape the spec does not divide: count it whole
+        return n
+
+
+def array_nbytes(x: Any) -> int:
+    """Bytes one device holds of a concrete array: its shard's (a replicated array: all
+    of it); numpy arrays and scalars: their size."""
+    sharding = getattr(x, "sharding", None)
+    shape = getattr(x, "shape", None)
+    if sharding is None or shape is None or len(getattr(sharding, "device_set", ())) <= 1:
+        return int(getattr(x, "nbytes", 0))
+    try:
+        return math.prod(sharding.shard_shape(tuple(shape))) * itemsize(x.dtype)
+    except Exception:  # noqa: BLE001
+        return int(x.nbytes)
+
+
 def _letters(n: int) -> str:
     s = ""
     n += 1
@@ -79,7 +120,14 @@ class Var:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * itemsize(self.dtype)
+        """Bytes one device holds: the shard's, when the value's type is sharded over a
+        mesh (jax's Explicit axes), since that is what must fit; else the whole value's."""
+        return device_nbytes(self.shape, self.dtype, self.sharding)
+
+    @property
+    def global_nbytes(self) -> int:
+        """Bytes of the whole value, over all devices' shards."""
+        return math.prod(self.shape) * itemsize(self.dtype)
 
     @property
     def aval(self) -> str:
@@ -120,6 +168,8 @@ class Saved:
     index: int
     shape: tuple[int, ...]
     dtype: np.dtype
+    # The value's type-level sharding when it is a record's input or output (see Var).
+    sharding: Any = field(default=None, compare=False, repr=False)
 
     @property
     def ref(self) -> tuple[str, int]:
@@ -127,7 +177,8 @@ class Saved:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * itemsize(self.dtype)
+        """Bytes one device holds (the shard's under a type-level sharding, see Var)."""
+        return device_nbytes(self.shape, self.dtype, self.sharding)
 
     def __str__(self) -> str:
         tag = {"in": "in", "out": "out", "aux": "aux"}[self.kind]

@@ -493,7 +493,9 @@ def _build(closed, active_inputs, diff_outputs, in_tree, out_tree) -> tuple[Tape
                 v = raw.outputs[idx]
             else:
                 v = aux[idx]
-            saves.append(Saved(kind, idx, tuple(v.shape), as_dtype(v.dtype)))
+            saves.append(
+                Saved(kind, idx, tuple(v.shape), as_dtype(v.dtype), getattr(v, "sharding", None))
+            )
         records.append(
             Record(
                 k,

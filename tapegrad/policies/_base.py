@@ -53,8 +53,15 @@ class ResidualInfo:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of one packed value (one step's, inside a loop)."""
-        return int(np.prod(self.shape, dtype=np.int64)) * int(getattr(self.dtype, "itemsize", 0))
+        """Bytes of one packed value (one step's, inside a loop) that one device holds:
+        the shard's, when the value's type is sharded over a mesh (Explicit axes)."""
+        from tapegrad._tape import device_nbytes
+
+        saved = self.saved
+        sharding = getattr(saved, "sharding", None) if saved is not None else None
+        if sharding is not None and tuple(saved.shape) != tuple(self.shape):
+            sharding = None
+        return device_nbytes(tuple(self.shape), self.dtype, sharding)
 
     @property
     def trip_count(self) -> int:

@@ -51,8 +51,11 @@ def record_flops(rec: Record) -> float:
 
 
 def _nbytes(v) -> int:
-    # Var.nbytes's number, without numpy's per-call overhead (the planner scores
-    # hundreds of plans of hundreds of records)
+    # Var.nbytes's number (per device: a value sharded over a mesh counts its shard),
+    # without its overhead for an unsharded value (the planner scores hundreds of
+    # plans of hundreds of records)
+    if getattr(v, "sharding", None) is not None:
+        return v.nbytes
     return math.prod(v.shape) * itemsize(v.dtype)
 
 
