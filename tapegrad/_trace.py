@@ -68,6 +68,7 @@ class _Builder:
         self.top_lits: list[Lit] = []  # the top-level jaxpr's literals, in reading order
         self.consts: list[tuple[Var, Any]] = []
         self.regions: list[Region] = []
+        self.computed: dict[Any, list[Var]] = {}  # equal equations merged (`_cse_key`)
 
     def new_var(self, aval) -> Var:
         return Var(
@@ -142,11 +143,52 @@ class _Builder:
             cp_name = compat.checkpoint_name_of(name, eqn.params) if special else None
             if cp_name is not None:
                 name, names = "name", (cp_name,)
+            same = _cse_key(eqn, name, ins, region, names, top)
+            if same is not None and same in self.computed:
+                for v, o in zip(eqn.outvars, self.computed[same]):
+                    env[v] = o
+                continue
             outs = [self.new_var(v.aval) for v in eqn.outvars]
             for v, o in zip(eqn.outvars, outs):
                 env[v] = o
+            if same is not None:
+                self.computed[same] = outs
             self.raws.append(_Raw(eqn.primitive, name, eqn.params, ins, outs, src, region, names))
         return [read(v) for v in jaxpr.outvars]
+
+
+# Equations never merged with an equal one: copies and transfers (a second copy may be
+# meant to be one), barriers, and XLA's stateful random numbers.
+_NO_CSE = frozenset({"copy", "copy_p", "device_put", "optimization_barrier", "rng_uniform", "name"})
+
+
+def _cse_key(eqn, name: str, ins: Sequence[Var | Lit], region, names, top: bool) -> Any:
+    """A key equal for two equations that compute the same values (the same primitive
+    and parameters on the same operands), or None. jax's tracing does not merge them:
+    ``(x - mu)`` written twice in a layer norm is two equations, and eagerly two arrays
+    kept for backward; on the tape it is one record (XLA would merge them under jit).
+    Top-level literals are left out: the tape cache swaps their values per call, so an
+    equality that held for one call's values may not hold for the next."""
+    if eqn.effects or name in _NO_CSE:
+        return None
+    ops = []
+    for i in ins:
+        if type(i) is Var:
+            ops.append(i.id)
+        elif top:
+            return None
+        else:
+            try:
+                ops.append(("lit", value_key(np.asarray(i.value)[()]), i.shape, i.dtype))
+            except (NoKey, TypeError, ValueError):
+                return None
+    try:
+        params = tuple([(k, _param_key(p)) for k, p in eqn.params.items()])
+        key = (eqn.primitive, name, params, tuple(ops), region, names)
+        hash(key)
+    except (NoKey, TypeError, ValueError):
+        return None
+    return key
 
 
 # The equations that may be a checkpoint or a checkpoint_name, in either remat spelling.
