@@ -68,7 +68,7 @@ class _Builder:
         self.top_lits: list[Lit] = []  # the top-level jaxpr's literals, in reading order
         self.consts: list[tuple[Var, Any]] = []
         self.regions: list[Region] = []
-        self.computed: dict[Any, list[Var]] = {}  # equal equations merged (`_cse_key`)
+        self.computed: dict[Any, list[Var | Lit]] = {}  # equal equations merged (`_cse_key`)
 
     def new_var(self, aval) -> Var:
         return Var(
@@ -152,7 +152,7 @@ class _Builder:
             for v, o in zip(eqn.outvars, outs):
                 env[v] = o
             if same is not None:
-                self.computed[same] = outs
+                self.computed[same] = list(outs)
             self.raws.append(_Raw(eqn.primitive, name, eqn.params, ins, outs, src, region, names))
         return [read(v) for v in jaxpr.outvars]
 
@@ -171,9 +171,9 @@ def _cse_key(eqn, name: str, ins: Sequence[Var | Lit], region, names, top: bool)
     equality that held for one call's values may not hold for the next."""
     if eqn.effects or name in _NO_CSE:
         return None
-    ops = []
+    ops: list[Any] = []
     for i in ins:
-        if type(i) is Var:
+        if isinstance(i, Var):
             ops.append(i.id)
         elif top:
             return None
