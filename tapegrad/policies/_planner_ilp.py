@@ -30,6 +30,35 @@ def available() -> bool:
     return True
 
 
+_BANNER_SHOWN = False
+
+
+def _highs() -> Any:
+    """A silent `highspy.Highs`: its first construction in a process prints a banner
+    from C++ to stdout, which a training log does not need."""
+    import os
+    import sys
+
+    import highspy
+
+    global _BANNER_SHOWN
+    if _BANNER_SHOWN:
+        h = highspy.Highs()
+    else:
+        _BANNER_SHOWN = True
+        sys.stdout.flush()
+        saved = os.dup(1)
+        try:
+            with open(os.devnull, "w") as null:
+                os.dup2(null.fileno(), 1)
+                h = highspy.Highs()
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+    h.silent()
+    return h
+
+
 def solve(tl: Any, opts: Any, budget: int, time_limit: float = TIME_LIMIT_S) -> np.ndarray | None:
     """The least-seconds column per key whose peak fits ``budget``; None when the
     program is infeasible or no solution was found within ``time_limit`` seconds."""
@@ -40,8 +69,7 @@ def solve(tl: Any, opts: Any, budget: int, time_limit: float = TIME_LIMIT_S) -> 
         return np.zeros(0, np.int64)
     T = tl.points
     cols = [(k, m) for k in range(K) for m in range(opts.valid.shape[1]) if opts.valid[k, m]]
-    h = highspy.Highs()
-    h.silent()
+    h = _highs()
     h.setOptionValue("time_limit", float(time_limit))
     h.setOptionValue("mip_rel_gap", 1e-6)
     inf = highspy.kHighsInf

@@ -363,7 +363,7 @@ class Budget:
 
 # Relaxed budgets for the save/recompute plans the joint planner completes with
 # mechanisms: the budget itself, then less recompute and more bytes left to move.
-_RELAX = (1.0, 1.25, 1.6, 2.2, 3.2)
+_RELAX = (1.0, 1.5, 2.5)
 _KNOWN = ("save", "recompute", "offload", "compress")
 _ERRORS = {None: 0, "lossless": 0, "bf16": 1, "int8": 2}
 
