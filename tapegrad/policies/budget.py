@@ -27,6 +27,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from tapegrad._tape import Record, Tape, itemsize
 from tapegrad.errors import TapegradError
 
@@ -291,19 +293,18 @@ class Budget:
         floor = None
         if "recompute" in self.allow:
             save_peak = sc.score(hinted)[0]
-            for f in _RELAX:
-                b = int(self.bytes * f)
-                if b >= save_peak:
-                    break
-                sr, best = _save_recompute(tape, fixed, hints, b)
-                if best is None:
-                    if f == _RELAX[0] and sr.floor is not None:
-                        sr, best = _save_recompute(tape, fixed, hints, sr.floor)
-                    if best is None:
-                        continue
-                cands.append((best[2], best[3]))
+            if self.bytes < save_peak:
+                # One save/recompute search at the budget (at its floor when nothing
+                # fits); the (peak, flops) Pareto front of every plan it scored gives
+                # the relaxed candidates: less recompute, more bytes left to move.
+                sr, best = _save_recompute(tape, fixed, hints, self.bytes)
+                if best is None and sr.floor is not None:
+                    sr, best = _save_recompute(tape, fixed, hints, sr.floor)
+                if best is not None:
+                    cands.append((best[2], best[3]))
+                    cands += [(d, "relaxed") for d in _relaxed(sr, best[1], save_peak)]
         ilp = _ilp_solver(tape)
-        winner = None
+        scored: list[list[Any]] = []
         seen: set[tuple] = set()
         for dec, family in cands:
             if dec in seen:
@@ -314,18 +315,26 @@ class Budget:
             least = joint.least_bytes(tl, opts)
             floor = least if floor is None else min(floor, least)
             choice = joint.assign_greedy(tl, opts, self.bytes)
-            how = "greedy"
-            if ilp is not None:
+            rec_s = costs.recompute_s(tl.recompute_flops)
+            total = rec_s + joint.evaluate(tl, opts, choice)[1] if choice is not None else None
+            scored.append([total, rec_s, dec, family, "greedy", tl, opts, choice])
+        if ilp is not None:
+            # The exact mechanisms for the most promising plans (greedy's best two, and
+            # plans greedy could not fit while they can).
+            order = sorted(scored, key=lambda c: (c[0] is None, c[0] or 0.0))
+            for c in order[:2] + [c for c in order[2:] if c[0] is None][:2]:
+                _, rec_s, _, _, _, tl, opts, choice = c
                 exact = ilp(tl, opts, self.bytes)
-                if exact is not None and (
-                    choice is None
-                    or joint.evaluate(tl, opts, exact)[1] < joint.evaluate(tl, opts, choice)[1]
-                ):
-                    choice, how = exact, "ILP"
+                if exact is None:
+                    continue
+                t = rec_s + joint.evaluate(tl, opts, exact)[1]
+                if c[0] is None or t < c[0]:
+                    c[0], c[4], c[7] = t, "ILP", exact
+        winner = None
+        for total, _, dec, family, how, tl, opts, choice in scored:
             if choice is None:
                 continue
-            peak, secs = joint.evaluate(tl, opts, choice)
-            total = costs.recompute_s(tl.recompute_flops) + secs
+            peak = joint.evaluate(tl, opts, choice)[0]
             if winner is None or (total, peak) < winner[0]:
                 winner = ((total, peak), dec, family, how, tl, opts, choice)
         if winner is None:
@@ -363,7 +372,22 @@ class Budget:
 
 # Relaxed budgets for the save/recompute plans the joint planner completes with
 # mechanisms: the budget itself, then less recompute and more bytes left to move.
-_RELAX = (1.0, 1.5, 2.5)
+_RELAXED = 6  # how many relaxed save/recompute plans the joint planner completes
+
+
+def _relaxed(sc: Any, lo: int, hi: int) -> list[tuple]:
+    """Up to `_RELAXED` plans from the (peak, flops) Pareto front of what ``sc`` scored,
+    peaks spread between ``lo`` (the plan at the budget) and ``hi`` (save-all)."""
+    front: list[tuple[int, float, tuple]] = []
+    for dec, (peak, flops) in sorted(sc._seen.items(), key=lambda kv: (kv[1][0], kv[1][1])):
+        if lo < peak < hi and (not front or flops < front[-1][1]):
+            front.append((peak, flops, dec))
+    if len(front) <= _RELAXED:
+        return [d for _, _, d in front]
+    picks = np.linspace(0, len(front) - 1, _RELAXED).round().astype(int)
+    return [front[i][2] for i in sorted(set(picks.tolist()))]
+
+
 _KNOWN = ("save", "recompute", "offload", "compress")
 _ERRORS = {None: 0, "lossless": 0, "bf16": 1, "int8": 2}
 
