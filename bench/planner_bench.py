@@ -80,8 +80,12 @@ def models(quick: bool):
     }
 
 
-def quality(quick: bool) -> None:
+def quality(quick: bool, costs: CostModel = COSTS) -> None:
     print("\n## 1. greedy vs ILP (mechanism layer; ratio of predicted added seconds)")
+    print(
+        f"costs: {costs.d2h_bytes_per_s:.0e} B/s each way, "
+        f"compress {costs.compress_bytes_per_s:.0e} B/s"
+    )
     if not _planner_ilp.available():
         print("highspy not installed (pip install tapegrad[planner]): skipped")
         return
@@ -103,7 +107,7 @@ def quality(quick: bool) -> None:
             ]
             for dec in decs:
                 tl = joint.timeline(sc.planned(dec), prefetch=1)
-                opts = joint.options(tl, ("offload", "bf16", "int8"), COSTS)
+                opts = joint.options(tl, ("offload", "bf16", "int8"), costs)
                 lo = joint.least_bytes(tl, opts)
                 hi = joint.evaluate(tl, opts, np.zeros(len(tl.keys), np.int64))[0]
                 for b in np.linspace(hi, lo, 7).astype(int)[1:]:
@@ -242,6 +246,8 @@ def main() -> None:
     print(f"jax {jax.__version__}, {jax.default_backend()}; cost model {COSTS}")
     ms = models(a.quick)
     quality(a.quick)
+    # compress cheap per byte freed: int8 and bf16 compete with offload
+    quality(a.quick, CostModel(5e10, 5e9, 5e9, 1.2e10))
     planning_time(a.quick)
     peaks(ms)
     monotone(ms)

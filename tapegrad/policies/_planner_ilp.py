@@ -75,6 +75,11 @@ def solve(tl: Any, opts: Any, budget: int, time_limit: float = TIME_LIMIT_S) -> 
     inf = highspy.kHighsInf
     n = len(cols)
     cost = np.array([opts.seconds[k, m] for k, m in cols], np.float64)
+    # Seconds per residual are ~1e-9..1e-3: HiGHS's absolute tolerances (1e-6 gap, 1e-7
+    # dual feasibility) would call any feasible plan optimal. Solve in units of the
+    # dearest option.
+    cost = cost / max(float(cost.max()), 1e-30)
+    h.setOptionValue("mip_abs_gap", 1e-9)
     h.addVars(n, np.zeros(n), np.ones(n))
     h.changeColsCost(n, np.arange(n, dtype=np.int32), cost)
     h.changeColsIntegrality(
