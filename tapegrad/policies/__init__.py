@@ -13,6 +13,7 @@ from tapegrad.policies._base import (
     save,
     saved_tensors_hooks,
 )
+from tapegrad.policies._cost import CostModel, calibrate
 from tapegrad.policies.budget import Budget, BudgetError, budget
 from tapegrad.policies.compress import Compress, Int8, compress
 from tapegrad.policies.hooks import Hooks, Route, hooks, route
@@ -22,7 +23,9 @@ from tapegrad.policies.offload import Offload, offload
 __all__ = [
     "Budget",
     "BudgetError",
+    "CostModel",
     "budget",
+    "calibrate",
     "Compress",
     "Hooks",
     "Int8",

@@ -124,6 +124,8 @@ def is_plain(policy: Any) -> bool:
     """True when residuals end up saved as they are: `save()`, or a wrapper (selective,
     budget) whose ``base`` is `save()`. The interpreter then skips pack/unpack."""
     while policy is not SAVE and hasattr(policy, "base"):
+        if getattr(policy, "packs", False):  # a wrapper that moves or shrinks some itself
+            return False
         policy = policy.base
     return policy is SAVE
 

@@ -27,6 +27,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from tapegrad._tape import Record, Tape, itemsize
 from tapegrad.errors import TapegradError
 
@@ -148,23 +150,64 @@ def simulate(
 class Budget:
     """A residual policy whose tape plan keeps the activation peak under ``bytes``."""
 
-    def __init__(self, bytes: int, base: Any = None):
+    def __init__(
+        self,
+        bytes: int,
+        base: Any = None,
+        allow: Sequence[str] = ("save", "recompute"),
+        max_error: str | None = None,
+        costs: Any = None,
+    ):
         from tapegrad.policies._base import SAVE
 
         if bytes < 0:
             raise ValueError(f"budget: bytes must be >= 0, got {bytes}")
         self.bytes = int(bytes)
         self.base = SAVE if base is None else base
-        self.prefetch = getattr(self.base, "prefetch", 0)
+        self.allow, self.max_error = _check_allow(allow, max_error)
+        self.costs = costs
+        # Per-residual mechanisms beside save/recompute: offload, and the compress
+        # formats whose error class max_error admits.
+        self.mechanisms = _mechanisms(self.allow, self.max_error)
+        # Not a plain policy once residuals may be moved or shrunk (see _base.is_plain).
+        self.packs = bool(self.mechanisms)
+        self.prefetch = 1 if "offload" in self.mechanisms else getattr(self.base, "prefetch", 0)
         self.last: dict[str, Any] = {}
         # Plans by tape structure: tg.grad, memory_report and jit of one function
         # trace the same tape; planning it once keeps tracing cheap. Bounded.
-        self._plans: dict[tuple, tuple[list[str], dict[str, Any]]] = {}
+        self._plans: dict[tuple, tuple[list[str], dict[str, Any], dict]] = {}
+        # The mechanism of each residual of the tape planned last (residual key -> name).
+        self._mech: dict[Any, str] = {}
+        self._impl: dict[str, Any] = {}
+
+    def _mechanism(self, name: str) -> Any:
+        impl = self._impl.get(name)
+        if impl is None:
+            import jax.numpy as jnp
+
+            from tapegrad.policies.compress import Compress
+            from tapegrad.policies.offload import Offload
+
+            impl = {
+                "offload": lambda: Offload(),
+                "bf16": lambda: Compress(jnp.bfloat16),
+                "int8": lambda: Compress("int8"),
+            }[name]()
+            self._impl[name] = impl
+        return impl
 
     def pack(self, value, info):
+        if self.packs and not info.loops:
+            mech = self._mech.get(info.record.residual_key(info.saved), "save")
+            if mech != "save":
+                return self._mechanism(mech).pack(value, info)
         return self.base.pack(value, info)
 
     def unpack(self, packed, info):
+        if self.packs and not info.loops:
+            mech = _packed_by(packed, info, self.base)
+            if mech is not None:
+                return self._mechanism(mech).unpack(packed, info)
         return self.base.unpack(packed, info)
 
     def loop_segment(self, rec: Record) -> int:
@@ -202,8 +245,6 @@ class Budget:
         ``self.last`` says what was chosen: peak bytes, flops, the winning family.
         """
         from tapegrad.policies import _planner_search as search
-        from tapegrad.policies._planner_chain import as_chain, chain_plan
-        from tapegrad.policies._planner_stages import stage_plan
 
         fixed = _keep_effects(tape, fixed)
         choose = getattr(self.base, "choose", None)
@@ -213,45 +254,260 @@ class Budget:
         ]
         key = (search.structure_key(tape, fixed), tuple(hints))
         if key in self._plans:
-            dec, self.last = self._plans[key]
+            dec, self.last, canon = self._plans[key]
+            self._mech = _from_canonical(tape, canon)
             return list(dec)
-        sc = search.Scorer(tape, fixed, self.bytes)
-        hinted = sc.with_fixed("save" if h is None or h.saves else "recompute" for h in hints)
-        if sc.fits(hinted, "hints"):
-            best = sc.best
+        if self.mechanisms:
+            chosen, canon = self._plan_joint(tape, fixed, hints)
         else:
-            ch = as_chain(tape)
-            if ch is not None:
-                chain_dec = chain_plan(ch, fixed, self.bytes)
-                if chain_dec is not None:
-                    sc.score(chain_dec, "chain DP")
-            else:
-                stage_dec = stage_plan(sc)
-                if stage_dec is not None:
-                    sc.score(stage_dec, "stage DP")
-            search.class_plans(sc)
-            search.cut_plans(sc)
-            search.ratio_plans(sc)
-            if ch is None:  # on a chain the program is already optimal
-                search.descend(sc)
-            search.refine(sc)
-            best = sc.best
-        if best is None:
-            raise BudgetError(
-                f"no save/recompute plan found that keeps activation residuals under "
-                f"{self.bytes:,} bytes; the smallest peak among the plans tried is {sc.floor:,} "
-                "bytes. Raise the budget to at least that, or make a finer-grained program "
-                "(e.g. tg.checkpoint per layer) so less must be held at once."
-            )
-        flops, peak, chosen, family = best
-        self.last = {"peak_bytes": peak, "recompute_flops": flops, "plan": family}
+            sc, best = _save_recompute(tape, fixed, hints, self.bytes)
+            if best is None:
+                raise BudgetError(
+                    f"no save/recompute plan found that keeps activation residuals under "
+                    f"{self.bytes:,} bytes; the smallest peak among the plans tried is "
+                    f"{sc.floor:,} bytes. Raise the budget to at least that, or make a "
+                    "finer-grained program (e.g. tg.checkpoint per layer) so less must be "
+                    "held at once."
+                )
+            flops, peak, chosen, family = best
+            self.last = {"peak_bytes": peak, "recompute_flops": flops, "plan": family}
+            canon = {}
+        self._mech = _from_canonical(tape, canon)
         if len(self._plans) >= 8:
             self._plans.pop(next(iter(self._plans)))
-        self._plans[key] = (list(chosen), self.last)
+        self._plans[key] = (list(chosen), self.last, canon)
         return list(chosen)
+
+    def _plan_joint(self, tape: Tape, fixed: list, hints: list) -> tuple[tuple, dict]:
+        """Save/recompute plans at the budget and at relaxed ones (less recompute, more
+        bytes left for offload/compress to remove), each completed with per-residual
+        mechanisms (`_planner_joint`, or the exact `_planner_ilp` on small tapes); the
+        least predicted step time that fits wins."""
+        import numpy as np
+
+        from tapegrad.policies import _planner_joint as joint
+        from tapegrad.policies._cost import default_costs
+        from tapegrad.policies._planner_search import Scorer
+
+        costs = self.costs if self.costs is not None else default_costs()
+        sc = Scorer(tape, fixed, self.bytes)
+        hinted = sc.with_fixed("save" if h is None or h.saves else "recompute" for h in hints)
+        cands: list[tuple[tuple, str]] = [(hinted, "hints")]
+        floor = None
+        if "recompute" in self.allow:
+            save_peak = sc.score(hinted)[0]
+            if self.bytes < save_peak:
+                # One save/recompute search at the budget (at its floor when nothing
+                # fits); the (peak, flops) Pareto front of every plan it scored gives
+                # the relaxed candidates: less recompute, more bytes left to move.
+                sr, best = _save_recompute(tape, fixed, hints, self.bytes)
+                if best is None and sr.floor is not None:
+                    sr, best = _save_recompute(tape, fixed, hints, sr.floor)
+                if best is not None:
+                    cands.append((best[2], best[3]))
+                    cands += [(d, "relaxed") for d in _relaxed(sr, best[1], save_peak)]
+        ilp = _ilp_solver(tape)
+        scored: list[list[Any]] = []
+        seen: set[tuple] = set()
+        for dec, family in cands:
+            if dec in seen:
+                continue
+            seen.add(dec)
+            tl = joint.timeline(sc.planned(dec), self.prefetch, sc._memo)
+            opts = joint.options(tl, self.mechanisms, costs)
+            least = joint.least_bytes(tl, opts)
+            floor = least if floor is None else min(floor, least)
+            choice = joint.assign_greedy(tl, opts, self.bytes)
+            rec_s = costs.recompute_s(tl.recompute_flops)
+            total = rec_s + joint.evaluate(tl, opts, choice)[1] if choice is not None else None
+            scored.append([total, rec_s, dec, family, "greedy", tl, opts, choice])
+        if ilp is not None:
+            # The exact mechanisms for the most promising plans (greedy's best two, and
+            # plans greedy could not fit while they can).
+            order = sorted(scored, key=lambda c: (c[0] is None, c[0] or 0.0))
+            for c in order[:2] + [c for c in order[2:] if c[0] is None][:2]:
+                _, rec_s, _, _, _, tl, opts, choice = c
+                exact = ilp(tl, opts, self.bytes)
+                if exact is None:
+                    continue
+                t = rec_s + joint.evaluate(tl, opts, exact)[1]
+                if c[0] is None or t < c[0]:
+                    c[0], c[4], c[7] = t, "ILP", exact
+        winner = None
+        for total, _, dec, family, how, tl, opts, choice in scored:
+            if choice is None:
+                continue
+            peak = joint.evaluate(tl, opts, choice)[0]
+            if winner is None or (total, peak) < winner[0]:
+                winner = ((total, peak), dec, family, how, tl, opts, choice)
+        if winner is None:
+            raise BudgetError(
+                f"no plan ({', '.join(self.allow)}) found that keeps activation residuals "
+                f"under {self.bytes:,} bytes; the smallest peak among the plans tried is "
+                f"{floor or 0:,} bytes. Raise the budget to at least that, allow more "
+                "mechanisms (allow=, max_error=), or make a finer-grained program "
+                "(e.g. tg.checkpoint per layer) so less must be held at once."
+            )
+        (total, peak), dec, family, how, tl, opts, choice = winner
+        names = opts.names(choice)
+        counts = {m: names.count(m) for m in joint.COLUMNS if m in names}
+        r = np.arange(len(tl.keys))
+        self.last = {
+            "peak_bytes": peak,
+            "recompute_flops": tl.recompute_flops,
+            "plan": f"{family} + {how} mechanisms"
+            if len(counts) > 1 or "save" not in counts
+            else family,
+            "time_s": total,
+            "mechanisms": counts,
+            "residuals": {
+                k: (names[i], int(tl.full[i]), float(opts.seconds[i, choice[i]]))
+                for i, k in enumerate(tl.keys)
+            },
+            "stored_bytes": int(opts.stored[r, choice].sum()),
+        }
+        mech = {k: m for k, m in zip(tl.keys, names) if m != "save"}
+        return dec, _to_canonical(tape, mech)
 
     def __repr__(self) -> str:
         return f"budget(bytes={self.bytes:,}, base={self.base!r})"
+
+
+# Relaxed budgets for the save/recompute plans the joint planner completes with
+# mechanisms: the budget itself, then less recompute and more bytes left to move.
+_RELAXED = 6  # how many relaxed save/recompute plans the joint planner completes
+
+
+def _relaxed(sc: Any, lo: int, hi: int) -> list[tuple]:
+    """Up to `_RELAXED` plans from the (peak, flops) Pareto front of what ``sc`` scored,
+    peaks spread between ``lo`` (the plan at the budget) and ``hi`` (save-all)."""
+    front: list[tuple[int, float, tuple]] = []
+    for dec, (peak, flops) in sorted(sc._seen.items(), key=lambda kv: (kv[1][0], kv[1][1])):
+        if lo < peak < hi and (not front or flops < front[-1][1]):
+            front.append((peak, flops, dec))
+    if len(front) <= _RELAXED:
+        return [d for _, _, d in front]
+    picks = np.linspace(0, len(front) - 1, _RELAXED).round().astype(int)
+    return [front[i][2] for i in sorted(set(picks.tolist()))]
+
+
+_KNOWN = ("save", "recompute", "offload", "compress")
+_ERRORS = {None: 0, "lossless": 0, "bf16": 1, "int8": 2}
+
+
+def _check_allow(allow: Sequence[str], max_error: str | None) -> tuple[tuple[str, ...], Any]:
+    if isinstance(allow, str):
+        allow = (allow,)
+    allow = tuple(allow)
+    bad = [a for a in allow if a not in _KNOWN]
+    if bad or "save" not in allow:
+        raise ValueError(
+            f"budget: allow must name some of {_KNOWN}, 'save' among them; got {allow!r}."
+        )
+    if max_error not in _ERRORS:
+        raise ValueError(
+            f"budget: max_error must be None (lossless), 'bf16' or 'int8'; got {max_error!r}."
+        )
+    return allow, max_error
+
+
+def _mechanisms(allow: tuple[str, ...], max_error: str | None) -> tuple[str, ...]:
+    out = []
+    if "offload" in allow:
+        out.append("offload")
+    if "compress" in allow:
+        level = _ERRORS[max_error]
+        out += [m for m, lv in (("bf16", 1), ("int8", 2)) if lv <= level]
+    return tuple(out)
+
+
+def _packed_by(packed: Any, info: Any, base: Any) -> str | None:
+    """Which mechanism packed ``packed`` (None: the base policy did): compress formats
+    and host memory say so themselves, so unpack needs no lookup that a later plan
+    of another tape could have replaced."""
+    import jax
+    import numpy as np
+
+    from tapegrad.policies._base import SAVE
+    from tapegrad.policies.compress import Int8, Int8Blocks
+
+    if isinstance(packed, (Int8, Int8Blocks)):
+        return "int8"
+    if not isinstance(packed, jax.Array):
+        return None
+    if isinstance(packed, jax.core.Tracer):
+        space = getattr(jax.typeof(packed), "memory_space", None)
+        on_host = space is not None and "host" in str(space).lower()
+    else:
+        on_host = "host" in str(getattr(packed.sharding, "memory_kind", "") or "")
+    if on_host:
+        return "offload"
+    if base is SAVE and np.dtype(packed.dtype) != np.dtype(info.dtype):
+        return "bf16"
+    return None
+
+
+def _canonical_names(tape: Tape) -> dict[int, tuple]:
+    """Var id -> a name that survives re-tracing: ("in", position) or ("out", record,
+    output)."""
+    names: dict[int, tuple] = {v.id: ("in", i) for i, v in enumerate(tape.inputs)}
+    for i, (v, _) in enumerate(tape.consts):
+        names[v.id] = ("const", i)
+    for r in tape.records:
+        for j, o in enumerate(r.outputs):
+            names[o.id] = ("out", r.index, j)
+    return names
+
+
+def _to_canonical(tape: Tape, mech: dict) -> dict:
+    names = _canonical_names(tape)
+    return {(names[k] if isinstance(k, int) else k): m for k, m in mech.items()}
+
+
+def _from_canonical(tape: Tape, canon: dict) -> dict:
+    if not canon:
+        return {}
+    ids = {n: i for i, n in _canonical_names(tape).items()}
+    return {(ids[k] if k[0] != "aux" else k): m for k, m in canon.items()}
+
+
+def _save_recompute(tape: Tape, fixed: list, hints: list, budget: int) -> tuple[Any, Any]:
+    """The save/recompute search at ``budget``: (scorer, best) with best = (flops, peak,
+    decisions, family) or None when nothing fits (``scorer.floor``: the least peak seen)."""
+    from tapegrad.policies import _planner_search as search
+    from tapegrad.policies._planner_chain import as_chain, chain_plan
+    from tapegrad.policies._planner_stages import stage_plan
+
+    sc = search.Scorer(tape, fixed, budget)
+    hinted = sc.with_fixed("save" if h is None or h.saves else "recompute" for h in hints)
+    if sc.fits(hinted, "hints"):
+        return sc, sc.best
+    ch = as_chain(tape)
+    if ch is not None:
+        chain_dec = chain_plan(ch, fixed, budget)
+        if chain_dec is not None:
+            sc.score(chain_dec, "chain DP")
+    else:
+        stage_dec = stage_plan(sc)
+        if stage_dec is not None:
+            sc.score(stage_dec, "stage DP")
+    search.class_plans(sc)
+    search.cut_plans(sc)
+    search.ratio_plans(sc)
+    if ch is None:  # on a chain the program is already optimal
+        search.descend(sc)
+    search.refine(sc)
+    return sc, sc.best
+
+
+def _ilp_solver(tape: Tape) -> Any:
+    """`_planner_ilp.solve` when highspy is importable and the tape is small enough to
+    solve within its time limit; else None."""
+    from tapegrad.policies import _planner_ilp
+
+    if not _planner_ilp.available() or len(tape.records) > _planner_ilp.MAX_RECORDS:
+        return None
+    return _planner_ilp.solve
 
 
 def _keep_effects(tape: Tape, fixed: Sequence[str | None]) -> list[str | None]:
@@ -264,14 +520,32 @@ def _keep_effects(tape: Tape, fixed: Sequence[str | None]) -> list[str | None]:
     ]
 
 
-def budget(bytes: int, base: Any = None) -> Budget:
-    """Let the planner choose what to recompute so residuals stay under ``bytes``.
+def budget(
+    bytes: int,
+    base: Any = None,
+    *,
+    allow: Sequence[str] = ("save", "recompute"),
+    max_error: str | None = None,
+    costs: Any = None,
+) -> Budget:
+    """Let the planner choose, per residual, how to keep activation residuals under
+    ``bytes`` (device bytes, per device) at the least predicted step time.
 
     ```python
     tg.grad(loss, policy=tg.policies.budget(bytes=64 << 20))(params, x)
+    tg.grad(loss, policy=tg.policies.budget(
+        bytes=64 << 20, allow=("save", "recompute", "offload", "compress"), max_error="bf16"
+    ))(params, x)
     ```
-    ``base`` is the residual policy for what is saved; a `tg.selective` base makes
-    its ALWAYS/NEVER binding and its PREFER_* hints. Records with side effects are
-    never chosen for recompute.
+    ``allow`` names the mechanisms it may use: ``"save"`` (always), ``"recompute"``
+    (re-run records in backward), ``"offload"`` (host memory between forward and
+    backward, `tg.policies.offload`), ``"compress"`` (`tg.policies.compress`, in the
+    formats whose error ``max_error`` admits: None = lossless only, so none;
+    ``"bf16"``; ``"int8"``, which admits bf16 too). Each costs predicted time by
+    ``costs`` (a `tg.policies.CostModel`; default: `tg.policies.calibrate`'s figures
+    once measured, else per-backend defaults). ``base`` is the residual policy for
+    what is saved; a `tg.selective` base makes its ALWAYS/NEVER binding and its
+    PREFER_* hints. Records with side effects are never chosen for recompute. A
+    budget no plan meets raises `BudgetError` naming the least peak found.
     """
-    return Budget(bytes, base)
+    return Budget(bytes, base, allow, max_error, costs)

@@ -1,0 +1,197 @@
+"""The planner's cost model: what keeping, recomputing, offloading or compressing one
+residual costs in device bytes and in step time.
+
+* bytes: what the residual occupies on *one device* (`device_nbytes`: a sharded
+  value's shard, since that is what must fit);
+* recompute: `budget.record_flops` at ``flops_per_s``;
+* offload: device -> host in forward and host -> device in backward, at the measured
+  bandwidths (no overlap assumed: an upper bound on the step time it adds);
+* compress: one pack and one unpack, at ``compress_bytes_per_s`` of the original
+  bytes; the stored bytes are the packed format's (`compressed_nbytes`), and the
+  mechanism carries an *error class* (`ERROR_CLASSES`, lossless first) that
+  ``budget(max_error=...)`` bounds.
+
+Figures are per backend: `DEFAULTS` until `calibrate` has measured them (a few timed
+probes, cached per backend); a `CostModel` can also be written by hand and passed to
+``budget(costs=...)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any
+
+import numpy as np
+
+from tapegrad._tape import itemsize
+
+__all__ = [
+    "CostModel",
+    "DEFAULTS",
+    "ERROR_CLASSES",
+    "MECHANISMS",
+    "calibrate",
+    "compressed_nbytes",
+    "default_costs",
+    "device_nbytes",
+]
+
+# Lossless first; ``max_error=c`` allows every class up to c.
+ERROR_CLASSES = ("lossless", "bf16", "int8")
+# Per-residual mechanisms beside recompute (a record decision), with their error class.
+MECHANISMS = {"save": "lossless", "offload": "lossless", "bf16": "bf16", "int8": "int8"}
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Throughputs the planner turns bytes and flops into seconds with.
+
+    ``flops_per_s``: recomputation (`budget.record_flops` per second);
+    ``d2h_bytes_per_s`` / ``h2d_bytes_per_s``: offload's two copies;
+    ``compress_bytes_per_s``: a compress round trip (pack + unpack) per original byte.
+    """
+
+    flops_per_s: float
+    d2h_bytes_per_s: float
+    h2d_bytes_per_s: float
+    compress_bytes_per_s: float
+    backend: str = "cpu"
+    measured: bool = False
+
+    def recompute_s(self, flops: float) -> float:
+        return flops / self.flops_per_s
+
+    def offload_s(self, nbytes: int) -> float:
+        return nbytes / self.d2h_bytes_per_s + nbytes / self.h2d_bytes_per_s
+
+    def compress_s(self, nbytes: int) -> float:
+        return nbytes / self.compress_bytes_per_s
+
+    def mechanism_s(self, mech: str, nbytes: int) -> float:
+        """Seconds ``mech`` adds to a step for a residual of ``nbytes`` (on one device)."""
+        if mech == "save":
+            return 0.0
+        if mech == "offload":
+            return self.offload_s(nbytes)
+        return self.compress_s(nbytes)
+
+
+# Rough figures, used until `calibrate` measures the machine. CPU: a few cores' f32
+# matmul, memcpy-speed "transfers" (host and device share DRAM). GPU: an H100's f32
+# matmul rate and PCIe 5 x16 as measured in practice.
+DEFAULTS: dict[str, CostModel] = {
+    "cpu": CostModel(5e10, 5e9, 5e9, 2e9, "cpu"),
+    "gpu": CostModel(5e13, 2.5e10, 2.5e10, 1e12, "gpu"),
+    "tpu": CostModel(1e14, 1e10, 1e10, 1e12, "tpu"),
+}
+
+_CALIBRATED: dict[str, CostModel] = {}
+
+
+def _backend() -> str:
+    import jax
+
+    return jax.default_backend()
+
+
+def default_costs(backend: str | None = None) -> CostModel:
+    """The calibrated figures for ``backend`` if `calibrate` ran, else `DEFAULTS`."""
+    backend = backend or _backend()
+    if backend in _CALIBRATED:
+        return _CALIBRATED[backend]
+    return DEFAULTS.get(backend, DEFAULTS["gpu" if backend not in ("cpu",) else "cpu"])
+
+
+def _best_of(fn, repeats: int) -> float:
+    fn()  # compile and warm up
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return max(best, 1e-9)
+
+
+def calibrate(force: bool = False, *, size: int = 512, mbytes: int = 16, repeats: int = 5):
+    """Measure this backend's figures with a few timed probes and cache them.
+
+    ```python
+    costs = tg.policies.calibrate()          # ~0.5 s once per process and backend
+    tg.policies.budget(bytes=..., allow=("save", "recompute", "offload"), costs=costs)
+    ```
+    Probes: a ``size``-square float32 matmul (flops/s), an ``mbytes`` MiB array to
+    pinned host memory and back (bytes/s each way), and a bfloat16 compress round trip
+    of the same array (bytes/s). ``force=True`` measures again. Returns a `CostModel`
+    (``measured=True``); `budget` uses it by default from then on.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    backend = _backend()
+    if not force and backend in _CALIBRATED:
+        return _CALIBRATED[backend]
+    dev = jax.devices()[0]
+    key = jax.random.key(0)
+    a = jax.random.normal(key, (size, size), jnp.float32)
+    mm = jax.jit(lambda a: a @ a)
+    t_mm = _best_of(lambda: mm(a).block_until_ready(), repeats)
+    flops = 2.0 * size**3 / t_mm
+
+    n = (mbytes << 20) // 4
+    x = jax.random.normal(key, (n,), jnp.float32)
+    kinds = {m.kind for m in dev.addressable_memories()}
+    host_kind = "pinned_host" if "pinned_host" in kinds else None
+    nbytes = x.nbytes
+    if host_kind is not None:
+        host = jax.sharding.SingleDeviceSharding(dev, memory_kind=host_kind)
+        devs = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
+        on_host = jax.device_put(x, host).block_until_ready()
+        d2h = nbytes / _best_of(lambda: jax.device_put(x, host).block_until_ready(), repeats)
+        h2d = nbytes / _best_of(lambda: jax.device_put(on_host, devs).block_until_ready(), repeats)
+    else:
+        base = default_costs(backend)
+        d2h, h2d = base.d2h_bytes_per_s, base.h2d_bytes_per_s
+    trip = jax.jit(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32))
+    comp = nbytes / _best_of(lambda: trip(x).block_until_ready(), repeats)
+    model = CostModel(flops, d2h, h2d, comp, backend, measured=True)
+    _CALIBRATED[backend] = model
+    return model
+
+
+def device_nbytes(var: Any) -> int:
+    """Bytes ``var`` (a `Var` or `Saved`: shape, dtype, optional traced sharding) takes on
+    one device: the shard's size when its sharding names a mesh, else the whole value."""
+    shape = tuple(var.shape)
+    sharding = getattr(var, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is not None and not getattr(mesh, "empty", True):
+        try:
+            shape = tuple(sharding.shard_shape(shape))  # type: ignore[union-attr]
+        except Exception:  # a sharding that cannot say: count the whole value
+            pass
+    return math.prod(shape) * itemsize(var.dtype)
+
+
+def compressed_nbytes(mech: str, shape: tuple[int, ...], dtype: Any, nbytes: int) -> int | None:
+    """Bytes `compress` stores for a residual under ``mech`` ("bf16" / "int8"), or None
+    when it does not apply (not floating, or not wider than the target)."""
+    import jax.numpy as jnp
+
+    dt = np.dtype(dtype)
+    if not jnp.issubdtype(dt, jnp.floating):
+        return None
+    width = itemsize(dt)
+    n = nbytes // max(width, 1)
+    if mech == "bf16":
+        return 2 * n if width > 2 else None
+    if mech == "int8":
+        if width <= 1:
+            return None
+        from tapegrad.policies.compress import DEFAULT_BLOCK_SIZE
+
+        if n > DEFAULT_BLOCK_SIZE:  # q, one code per block, one float32 top scale
+            return n + -(-n // DEFAULT_BLOCK_SIZE) + 4
+        return n + 2  # q and one bfloat16 scale
+    return None

@@ -1,0 +1,266 @@
+"""Per-residual mechanisms on top of a save/recompute plan: keep, offload or compress
+each kept residual so the device peak fits the budget at the least added step time.
+
+Given the save/recompute decisions (hence the recompute segments), the executor's
+schedule (`budget.simulate`) fixes, for every kept residual, *when* it is released in
+backward and *when* backward first unpacks it (at its first use, or one record
+earlier under prefetch). What a mechanism changes is only how many device bytes the
+residual holds in between:
+
+* ``save``: its bytes from forward until its release;
+* ``offload``: none while it is on host, its full bytes from the unpack on (the
+  device copy), at two transfers' time;
+* ``bf16`` / ``int8`` (compress): the packed bytes until its release, plus the
+  unpacked copy from the unpack on, at a round trip's time.
+
+So a `Timeline` is a list of points (the end of forward, each recomputation, each
+backward record) with, per point, the bytes the plan holds whatever the mechanisms
+(recomputed values, segment transients) and, per residual, two intervals — stored
+``[0, release]`` and copied ``[unpack, release]`` — and the live device bytes of any
+assignment are ``fixed + Σ stored·[t ≤ release] + Σ copy·[unpack ≤ t ≤ release]``,
+linear in the choice. `assign_greedy` converts, at the current peak point, the
+residual with the most bytes freed there per second added, until the plan fits, then
+gives back conversions that are no longer needed (costliest first).
+`tapegrad.policies._planner_ilp` solves the same linear model exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from tapegrad._tape import Tape
+from tapegrad.policies._cost import CostModel, compressed_nbytes, device_nbytes
+
+__all__ = ["Timeline", "timeline", "options", "assign_greedy", "evaluate"]
+
+
+@dataclasses.dataclass
+class Timeline:
+    """The schedule of one planned tape, as the linear model above."""
+
+    keys: list  # residual keys that forward packs (activations, not the tape's inputs)
+    vars: list  # the Var / Saved of each key (shape, dtype, sharding)
+    full: np.ndarray  # device bytes of each key
+    release: np.ndarray  # last point where each key is held
+    unpack: np.ndarray  # first point where its unpacked copy exists
+    fixed: np.ndarray  # bytes held at each point whatever the mechanisms
+    recompute_flops: float
+
+    @property
+    def points(self) -> int:
+        return len(self.fixed)
+
+
+def timeline(tape: Tape, prefetch: int = 0, memo: dict | None = None) -> Timeline:
+    """The `Timeline` of a planned tape (segments built), mirroring `budget.simulate`
+    and the interpreter's backward (prefetch, unpack at first use, release at last)."""
+    from tapegrad._checkpoint import segment_peak
+    from tapegrad.policies.budget import _uses, segment_flops
+
+    memo = {} if memo is None else memo
+    free = {v.id for v in tape.inputs} | {v.id for v, _ in tape.consts}
+    kept, seg_of = tape.residual_keys()
+    keys = [k for k in kept if not (isinstance(k, int) and k in free)]
+    idx = {k: i for i, k in enumerate(keys)}
+    full = np.array([device_nbytes(kept[k]) for k in keys], dtype=np.int64)
+    K = len(keys)
+    release = np.full(K, -1, dtype=np.int64)
+    unpack = np.full(K, -1, dtype=np.int64)
+    fixed: list[int] = [0]  # point 0: the end of forward
+    remaining = _uses(tape)
+    extra: dict[Any, int] = {}
+    held = 0  # bytes of recomputed values held (mechanism-independent)
+    flops = 0.0
+    done: set[int] = set()
+
+    def copy(key) -> None:
+        i = idx.get(key)
+        if i is not None and unpack[i] < 0:
+            unpack[i] = len(fixed)  # present from the next point on
+
+    def drop(key) -> None:
+        nonlocal held
+        remaining[key] -= 1
+        if remaining[key] == 0:
+            held -= extra.pop(key, 0)
+            i = idx.get(key)
+            if i is not None:
+                release[i] = len(fixed) - 1
+
+    order = [r for r in reversed(tape.records) if r.rule != "none"]
+    for n, rec in enumerate(order):
+        for nxt in order[n + 1 : n + 1 + prefetch]:
+            for s in nxt.saves:
+                key = nxt.residual_key(s)
+                if key in kept:
+                    copy(key)
+        rkeys = []
+        for s in rec.saves:
+            key = rec.residual_key(s)
+            rkeys.append(key)
+            if key in kept:
+                copy(key)
+                continue
+            if key in extra or key not in seg_of:
+                continue
+            seg = tape.segments[seg_of[key]]
+            if seg.id in done:
+                continue
+            done.add(seg.id)
+            mkey = (seg.records, tuple(o.id for o in seg.outputs))
+            if mkey not in memo:
+                memo[mkey] = (segment_flops(tape, seg), segment_peak(tape, seg))
+            seg_flops, seg_peak = memo[mkey]
+            flops += seg_flops
+            for v in seg.inputs:
+                copy(v.id)
+            fixed.append(held + seg_peak)
+            for o in seg.outputs:
+                extra[o.id] = device_nbytes(o)
+                held += extra[o.id]
+            for v in seg.inputs:
+                drop(v.id)
+        fixed.append(held)
+        for key in rkeys:
+            drop(key)
+    last = len(fixed) - 1
+    release[release < 0] = last
+    never = unpack < 0
+    unpack[never] = release[never] + 1
+    return Timeline(
+        keys, [kept[k] for k in keys], full, release, unpack, np.array(fixed, np.int64), flops
+    )
+
+
+COLUMNS = ("save", "offload", "bf16", "int8")
+
+
+@dataclasses.dataclass
+class Options:
+    """Per key and mechanism (columns `COLUMNS`): stored bytes, copy bytes, seconds;
+    ``valid`` says which apply (``save`` always does)."""
+
+    stored: np.ndarray  # (K, 4)
+    copied: np.ndarray
+    seconds: np.ndarray
+    valid: np.ndarray
+
+    def names(self, choice: np.ndarray) -> list[str]:
+        return [COLUMNS[c] for c in choice]
+
+
+def options(tl: Timeline, mechanisms: tuple[str, ...], costs: CostModel) -> Options:
+    """The mechanisms that apply to each key (``mechanisms`` among `COLUMNS`)."""
+    K = len(tl.keys)
+    S = np.zeros((K, 4), np.int64)
+    C = np.zeros((K, 4), np.int64)
+    sec = np.zeros((K, 4), np.float64)
+    ok = np.zeros((K, 4), bool)
+    S[:, 0], ok[:, 0] = tl.full, True
+    for k, v in enumerate(tl.vars):
+        b = int(tl.full[k])
+        if b <= 0:
+            continue
+        for m in mechanisms:
+            j = COLUMNS.index(m)
+            if m == "offload":
+                S[k, j], C[k, j], sec[k, j], ok[k, j] = 0, b, costs.offload_s(b), True
+            else:
+                c = compressed_nbytes(m, tuple(v.shape), v.dtype, b)
+                if c is not None and c < b:
+                    S[k, j], C[k, j], sec[k, j], ok[k, j] = c, b, costs.compress_s(b), True
+    return Options(S, C, sec, ok)
+
+
+def live_bytes(tl: Timeline, stored: np.ndarray, copied: np.ndarray) -> np.ndarray:
+    """Device bytes at every point for per-key stored and copy bytes."""
+    T = tl.points
+    diff = np.zeros(T + 1, dtype=np.int64)
+    diff[0] += int(stored.sum())
+    np.add.at(diff, tl.release + 1, -stored)
+    np.add.at(diff, tl.unpack, copied)
+    np.add.at(diff, tl.release + 1, -copied)
+    return tl.fixed + np.cumsum(diff)[:T]
+
+
+def evaluate(tl: Timeline, opts: Options, choice: np.ndarray) -> tuple[int, float]:
+    """(peak device bytes, seconds the mechanisms add) of ``choice`` (a column per key)."""
+    r = np.arange(len(tl.keys))
+    live = live_bytes(tl, opts.stored[r, choice], opts.copied[r, choice])
+    return int(live.max()), float(opts.seconds[r, choice].sum())
+
+
+def assign_greedy(tl: Timeline, opts: Options, budget: int) -> np.ndarray | None:
+    """A column per key whose peak fits ``budget`` at little added time, or None.
+
+    Step: at the point of the current peak, among the keys stored there, take the
+    change of mechanism that frees the most bytes *at that point* per second added;
+    repeat until the plan fits. Then undo, costliest first, every change the plan no
+    longer needs (back to the cheapest option that still fits)."""
+    K = len(tl.keys)
+    r = np.arange(K)
+    choice = np.zeros(K, np.int64)
+    stored = opts.stored[:, 0].copy()
+    copied = np.zeros(K, np.int64)
+    live = live_bytes(tl, stored, copied)
+    if tl.points == 0:
+        return choice
+    rel, unp = tl.release, tl.unpack
+
+    def apply(k: int, c: int) -> None:
+        ds = opts.stored[k, c] - stored[k]
+        dc = opts.copied[k, c] - copied[k]
+        live[: rel[k] + 1] += ds
+        live[unp[k] : rel[k] + 1] += dc
+        stored[k], copied[k] = opts.stored[k, c], opts.copied[k, c]
+        choice[k] = c
+
+    for _ in range(4 * K + 4):
+        t = int(np.argmax(live))
+        if live[t] <= budget:
+            break
+        in_copy = (unp <= t)[:, None]
+        delta = (opts.stored - stored[:, None]) + np.where(
+            in_copy, opts.copied - copied[:, None], 0
+        )
+        dt = opts.seconds - opts.seconds[r, choice][:, None]
+        ok = opts.valid & (rel >= t)[:, None] & (delta < 0)
+        if not ok.any():
+            return None
+        # freed bytes per second added (a change that also saves time: first)
+        score = np.where(dt > 0, -delta / np.maximum(dt, 1e-30), np.inf)
+        score = np.where(ok, score, -1.0)
+        top = score.max()
+        cand = np.nonzero(score == top)
+        j = int(np.argmax(-delta[cand]))  # ties: the one freeing the most
+        apply(int(cand[0][j]), int(cand[1][j]))
+    if live.max() > budget:
+        return None
+    # Refine: back to cheaper options where the plan still fits, costliest first.
+    for k in np.argsort(-opts.seconds[r, choice], kind="stable"):
+        k = int(k)
+        cur = int(choice[k])
+        if cur == 0:
+            continue
+        for c in np.argsort(opts.seconds[k], kind="stable"):
+            c = int(c)
+            if not opts.valid[k, c] or opts.seconds[k, c] >= opts.seconds[k, cur]:
+                continue
+            apply(k, c)
+            if live.max() <= budget:
+                break
+            apply(k, cur)
+    return choice
+
+
+def least_bytes(tl: Timeline, opts: Options) -> int:
+    """The peak with every key at its fewest-bytes option (offload where allowed): the
+    floor this save/recompute plan can reach."""
+    r = np.arange(len(tl.keys))
+    # bytes a key holds over its life, weighted as the stored part counts everywhere
+    weight = np.where(opts.valid, opts.stored * 4 + opts.copied, np.iinfo(np.int64).max)
+    c = np.argmin(weight, axis=1)
+    return int(live_bytes(tl, opts.stored[r, c], opts.copied[r, c]).max()) if tl.points else 0
