@@ -162,16 +162,11 @@ def calibrate(force: bool = False, *, size: int = 512, mbytes: int = 16, repeats
 
 def device_nbytes(var: Any) -> int:
     """Bytes ``var`` (a `Var` or `Saved`: shape, dtype, optional traced sharding) takes on
-    one device: the shard's size when its sharding names a mesh, else the whole value."""
-    shape = tuple(var.shape)
-    sharding = getattr(var, "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is not None and not getattr(mesh, "empty", True):
-        try:
-            shape = tuple(sharding.shard_shape(shape))  # type: ignore[union-attr]
-        except Exception:  # a sharding that cannot say: count the whole value
-            pass
-    return math.prod(shape) * itemsize(var.dtype)
+    one device: the shard's size when its sharding names a mesh, else the whole value
+    (`tapegrad._tape.device_nbytes`)."""
+    from tapegrad._tape import device_nbytes as nbytes
+
+    return nbytes(tuple(var.shape), var.dtype, getattr(var, "sharding", None))
 
 
 def compressed_nbytes(mech: str, shape: tuple[int, ...], dtype: Any, nbytes: int) -> int | None:
