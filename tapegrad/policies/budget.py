@@ -270,7 +270,12 @@ class Budget:
                     "held at once."
                 )
             flops, peak, chosen, family = best
-            self.last = {"peak_bytes": peak, "recompute_flops": flops, "plan": family}
+            self.last = {
+                "peak_bytes": peak,
+                "recompute_flops": flops,
+                "plan": family,
+                "plans_scored": sc.scores,
+            }
             canon = {}
         self._mech = _from_canonical(tape, canon)
         if len(self._plans) >= 8:
@@ -294,6 +299,7 @@ class Budget:
         hinted = sc.with_fixed("save" if h is None or h.saves else "recompute" for h in hints)
         cands: list[tuple[tuple, str]] = [(hinted, "hints")]
         floor = None
+        scored_plans = 0  # plans simulated by the save/recompute searches, and below
         if "recompute" in self.allow:
             save_peak = sc.score(hinted)[0]
             if self.bytes < save_peak:
@@ -301,8 +307,10 @@ class Budget:
                 # fits); the (peak, flops) Pareto front of every plan it scored gives
                 # the relaxed candidates: less recompute, more bytes left to move.
                 sr, best = _save_recompute(tape, fixed, hints, self.bytes)
+                scored_plans += sr.scores
                 if best is None and sr.floor is not None:
                     sr, best = _save_recompute(tape, fixed, hints, sr.floor)
+                    scored_plans += sr.scores
                 if best is not None:
                     cands.append((best[2], best[3]))
                     cands += [(d, "relaxed") for d in _relaxed(sr, best[1], save_peak)]
@@ -365,6 +373,7 @@ class Budget:
                 for i, k in enumerate(tl.keys)
             },
             "stored_bytes": int(opts.stored[r, choice].sum()),
+            "plans_scored": scored_plans + sc.scores,
         }
         mech = {k: m for k, m in zip(tl.keys, names) if m != "save"}
         return dec, _to_canonical(tape, mech)
@@ -488,16 +497,24 @@ def _save_recompute(tape: Tape, fixed: list, hints: list, budget: int) -> tuple[
         if chain_dec is not None:
             sc.score(chain_dec, "chain DP")
     else:
-        stage_dec = stage_plan(sc)
+        # (its own bound, ~133,000 record-simulations, on tapes the limit does not bind)
+        small = sc.limit >= SMALL_SEARCH
+        stage_dec = stage_plan(sc, share=None if small else sc.left() // 5)
         if stage_dec is not None:
             sc.score(stage_dec, "stage DP")
+    # On big tapes the scorer's work limit (`_planner_search.WORK`) bounds the search:
+    # the families below share what is left, refinement takes the rest.
     search.class_plans(sc)
-    search.cut_plans(sc)
     search.ratio_plans(sc)
+    search.cut_plans(sc, share=sc.left() * 2 // 3)
     if ch is None:  # on a chain the program is already optimal
         search.descend(sc)
     search.refine(sc)
     return sc, sc.best
+
+
+# A scorer allowed this many plans searches as it always did (tapes up to ~200 records).
+SMALL_SEARCH = 1_000
 
 
 def _ilp_solver(tape: Tape) -> Any:
