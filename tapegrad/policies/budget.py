@@ -31,6 +31,7 @@ import numpy as np
 
 from tapegrad._tape import Record, Tape, itemsize
 from tapegrad.errors import TapegradError
+from tapegrad.policies._cost import device_nbytes
 
 __all__ = ["Budget", "budget", "estimate", "BudgetError", "record_flops"]
 
@@ -175,9 +176,10 @@ class Budget:
         self.last: dict[str, Any] = {}
         # Plans by tape structure: tg.grad, memory_report and jit of one function
         # trace the same tape; planning it once keeps tracing cheap. Bounded.
-        self._plans: dict[tuple, tuple[list[str], dict[str, Any], dict]] = {}
+        self._plans: dict[tuple, tuple[list[str], dict[str, Any], dict, dict]] = {}
         # The mechanism of each residual of the tape planned last (residual key -> name).
         self._mech: dict[Any, str] = {}
+        self._res_canon: dict[Any, tuple[str, int, float]] = {}
         self._impl: dict[str, Any] = {}
 
     def _mechanism(self, name: str) -> Any:
@@ -254,7 +256,7 @@ class Budget:
         ]
         key = (search.structure_key(tape, fixed), tuple(hints))
         if key in self._plans:
-            dec, self.last, canon = self._plans[key]
+            dec, self.last, canon, self._res_canon = self._plans[key]
             self._mech = _from_canonical(tape, canon)
             return list(dec)
         if self.mechanisms:
@@ -270,18 +272,32 @@ class Budget:
                     "held at once."
                 )
             flops, peak, chosen, family = best
+            kept = sc.index.residual_keys(sc.index.segments(chosen))[0]
             self.last = {
                 "peak_bytes": peak,
                 "recompute_flops": flops,
                 "plan": family,
                 "plans_scored": sc.scores,
+                "residuals": {
+                    k: ("save", device_nbytes(v), 0.0)
+                    for k, v in kept.items()
+                    if not (isinstance(k, int) and k in sc.index.free)
+                },
             }
             canon = {}
         self._mech = _from_canonical(tape, canon)
+        # Each kept residual's (mechanism, device bytes, predicted seconds), by names that
+        # survive re-tracing: `memory_report` shows them on its own trace (`decisions`).
+        self._res_canon = _to_canonical(tape, self.last.get("residuals", {}))
         if len(self._plans) >= 8:
             self._plans.pop(next(iter(self._plans)))
-        self._plans[key] = (list(chosen), self.last, canon)
+        self._plans[key] = (list(chosen), self.last, canon, self._res_canon)
         return list(chosen)
+
+    def decisions(self, tape: Tape) -> dict[Any, tuple[str, int, float]]:
+        """Residual key of ``tape`` (a trace of the function planned last) -> (mechanism:
+        "save" / "offload" / "bf16" / "int8", device bytes, predicted seconds it adds)."""
+        return _from_canonical(tape, self._res_canon)
 
     def _plan_joint(self, tape: Tape, fixed: list, hints: list) -> tuple[tuple, dict]:
         """Save/recompute plans at the budget and at relaxed ones (less recompute, more
