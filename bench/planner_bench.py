@@ -143,8 +143,8 @@ def planning_time(quick: bool) -> None:
     n = len(tape.records)
     full = estimate(tape)[0]
     print(f"tape: {n} records; budget 40% of save()'s peak")
-    print("| planner | seconds |")
-    print("|---|---|")
+    print("| planner | wall s | CPU s | plans scored | peak | recompute MFLOP | model µs |")
+    print("|---|---|---|---|---|---|---|")
     for label, kw in [
         (
             "mechanisms only (save/offload/compress)",
@@ -154,13 +154,18 @@ def planning_time(quick: bool) -> None:
         ("save/recompute (the existing planner)", {}),
     ]:
         pol = Budget(int(full * 0.4), costs=COSTS, **kw)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             pol.plan(tape, [None] * n)
-            note = pol.last["plan"]
+            L = pol.last
+            note = (
+                f"{L['plan']}) | {time.perf_counter() - t0:.2f} | {time.process_time() - c0:.2f} "
+                f"| {L.get('plans_scored', '')} | {L['peak_bytes']:,} | "
+                f"{L['recompute_flops'] / 1e6:.2f} | {L.get('time_s', 0.0) * 1e6:.1f}"
+            )
         except P.BudgetError:
-            note = "infeasible"
-        print(f"| {label} ({note}) | {time.perf_counter() - t0:.2f} |")
+            note = f"infeasible) | {time.perf_counter() - t0:.2f} | | | | |"
+        print(f"| {label} ({note} |")
 
 
 def peaks(ms) -> None:

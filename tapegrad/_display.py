@@ -758,6 +758,14 @@ def report_head(rep) -> list[str]:
         if rep.plan:
             why += f"; planner chose {rep.plan}"
         lines.append(clip(why, WIDTH))
+    if getattr(rep, "planned_peak_bytes", None) is not None:
+        what = (
+            f"  plan: predicted peak {rep.planned_peak_bytes:,} B on device, this run "
+            f"{rep.measured_device_peak_bytes:,} B (activations, inputs not counted)"
+        )
+        if rep.planned_seconds is not None:
+            what += f"; predicted +{_us(rep.planned_seconds)} a step"
+        lines.append(clip(what, WIDTH))
     for note in getattr(rep, "notes", ()):
         lines.extend(
             textwrap.wrap(note, WIDTH, initial_indent="  note: ", subsequent_indent="        ")
@@ -765,7 +773,7 @@ def report_head(rep) -> list[str]:
     return lines
 
 
-def _report_lines(rows, tape, depth: int) -> list[str]:
+def _report_lines(rows, tape, depth: int, planned: bool = False) -> list[str]:
     """Report rows as text; a loop/branch record's body rows follow it, indented, each
     body under a line with its bytes per step."""
     pad = "  " * depth
@@ -785,9 +793,10 @@ def _report_lines(rows, tape, depth: int) -> list[str]:
             if m is not None and ("…" in src or src.endswith("()")):
                 src = clip(f"{m.group(1)}:{m.group(2)}", 30 - len(per))
             src = per + src
+        plan = f"{clip(_planned_cell(r), 15):<15} " if planned else ""
         out = [
             f"{r.index:>5} {clip(pad + prim, 14):<14} {clip(saves, 12):<12} "
-            f"{r.device_bytes:>11,} {r.host_bytes:>11,} {r.compressed_bytes:>10,}  {src}"
+            f"{r.device_bytes:>11,} {r.host_bytes:>11,} {r.compressed_bytes:>10,}  {plan}{src}"
         ]
         if r.checkpoint_bytes:
             every = f" every {_levels_text(rec)} steps" if rec is not None else ""
@@ -823,13 +832,25 @@ def _report_lines(rows, tape, depth: int) -> list[str]:
     return lines
 
 
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:,.1f} µs"
+
+
+def _planned_cell(r) -> str:
+    """A row's planned decision and predicted cost, e.g. ``offload 3.3µs`` (text)."""
+    if not r.planned:
+        return ""
+    return r.planned + (f" {r.planned_seconds * 1e6:.1f}µs" if r.planned_seconds else "")
+
+
 def report_text(rep) -> str:
     lines = report_head(rep)
+    planned = getattr(rep, "decisions", None) is not None
     lines.append(
         f"{'#':>5} {'primitive':<14} {'saves':<12} {'device':>11} {'host':>11} "
-        f"{'compressed':>10}  source"
+        f"{'compressed':>10}  " + (f"{'plan':<15} " if planned else "") + "source"
     )
-    lines.extend(_report_lines(rep.records, rep.tape, 0))
+    lines.extend(_report_lines(rep.records, rep.tape, 0, planned))
     return "\n".join(line if len(line) <= WIDTH else clip(line, WIDTH) for line in lines)
 
 
@@ -872,6 +893,8 @@ def _report_rows_html(rows, tape, depth: int) -> list[str]:
         r = rows[i]
         rec = rec_of(r)
         dec = report_decision(r)
+        if getattr(r, "planned", ""):  # the planner's decision and its predicted cost
+            dec = r.planned + (f" {r.planned_seconds * 1e6:.1f} µs" if r.planned_seconds else "")
         prim = r.primitive
         if r.body and rec is not None and rec.primitive == "scan":
             prim += f" ×{rec.trip_count:,}"

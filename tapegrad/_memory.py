@@ -58,6 +58,11 @@ class RecordMemory:
     body: tuple[RecordMemory, ...] = ()
     # A checkpointed scan's carries (kept every `schedule` steps), in its bytes too.
     checkpoint_bytes: int = 0
+    # When a `tg.policies.budget` planned the tape: what it chose for the residuals
+    # charged to this row ("save", "offload", "bf16", "int8"; several joined by "+") and
+    # the seconds its cost model predicts they add to a step.
+    planned: str = ""
+    planned_seconds: float = 0.0
 
     @property
     def bytes(self) -> int:
@@ -145,6 +150,16 @@ class MemoryReport:
     # is per device: an array counts its shard's bytes (a replicated one, all of them),
     # which is what must fit in one device's memory.
     devices: int = 1
+    # When a `tg.policies.budget` planned the tape: per kept residual key, its decision
+    # (mechanism, device bytes, predicted seconds: `Budget.decisions`, the planner's
+    # ``last["residuals"]``); the peak the planner predicted (device activation bytes);
+    # the same peak as this report measures it (device and compressed bytes beyond the
+    # inputs' own residuals); the predicted seconds of recomputation and of the
+    # mechanisms (None when no planner ran or its cost model was not used).
+    decisions: dict | None = field(repr=False, default=None)
+    planned_peak_bytes: int | None = None
+    measured_device_peak_bytes: int | None = None
+    planned_seconds: float | None = None
 
     @property
     def beyond_inputs_bytes(self) -> int:
@@ -641,6 +656,13 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
     residual = live
     remaining = dict(res.refs)
     extra: dict[Any, int] = {}  # unpacked device copies and recomputed values, per key
+
+    def _moved(key) -> bool:
+        # Unpacking makes a device copy only of what packing moved to host or shrank; a
+        # residual kept as it is on device (a budget's "save") unpacks to itself.
+        a = sizes_acc.get(key)
+        return a is None or bool(a[1] or a[2] or a[3])
+
     peak = live
     peak_beyond = live - caller_live
 
@@ -685,7 +707,7 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
                             lk[0] += a.nbytes
                 for v in seg.inputs:
                     release(v.id)
-            elif not plain and key in sizes and caller.get(key, 0) < sizes[key]:
+            elif not plain and key in sizes and caller.get(key, 0) < sizes[key] and _moved(key):
                 extra[key] = s_.nbytes  # the device copy unpack brings back
                 live += s_.nbytes
                 lk[0] += s_.nbytes
@@ -715,6 +737,14 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
     host_total = sum(a[1] for a in sizes_acc.values())
     input_total = sum(caller.values())
     planner = _planner_of(policy)
+    decisions = planner.decisions(tape) if planner is not None else None
+    if decisions is not None:
+        rows = [_with_decisions(r, by_rec.get(r.index, ()), decisions) for r in rows]
+    measured_dev = (
+        max((d + c for d, _, c in timeline_kinds), default=0) - input_live
+        if planner is not None
+        else None
+    )
     return MemoryReport(
         policy,
         tuple(rows),
@@ -734,7 +764,20 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
         peak_beyond,
         tuple(u for _, u in unseen),
         _devices(list(res.store.values()) + list(args)),
+        decisions,
+        planner.last.get("peak_bytes") if planner is not None else None,
+        measured_dev,
+        planner.last.get("time_s") if planner is not None else None,
     )
+
+
+def _with_decisions(row: RecordMemory, keys: Any, decisions: dict) -> RecordMemory:
+    """``row`` with the planner's decisions for the residual keys charged to it."""
+    got = [decisions[k] for k in keys if k in decisions]
+    if not got:
+        return row
+    names = "+".join(dict.fromkeys(m for m, _, _ in got))
+    return dataclasses.replace(row, planned=names, planned_seconds=sum(t for _, _, t in got))
 
 
 def _devices(values: Any) -> int:

@@ -23,11 +23,11 @@ Candidate families (the planner keeps the fitting plan with the least flops):
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from tapegrad._tape import Record, Tape, Var
+from tapegrad.policies._planner_fast import TapeIndex
 
 __all__ = ["Scorer", "CLASSES", "class_plans", "cut_plans", "ratio_plans", "descend", "refine"]
 
@@ -119,11 +119,20 @@ CLASSES: dict[str, Callable[[Record], bool]] = {
 }
 
 
+# The search's work limit: plans scored × records per plan. Scoring a plan of a
+# 1,000-record tape takes ~2-3 ms of CPU, so ~200 plans keep planning under a second
+# there (and at least `MIN_SCORES` plans on any tape); small tapes search in full.
+WORK = 200_000
+MIN_SCORES = 100
+
+
 class Scorer:
     """Scores decision lists with `estimate`, remembering every score, the best
     fitting plan (least flops, then least peak) and the smallest peak seen."""
 
-    def __init__(self, tape: Tape, fixed: Sequence[str | None], budget: int):
+    def __init__(
+        self, tape: Tape, fixed: Sequence[str | None], budget: int, limit: int | None = None
+    ):
         self.tape = tape
         self.fixed = list(fixed)
         self.budget = budget
@@ -132,25 +141,38 @@ class Scorer:
         self.by_family: dict[str, tuple[float, int, tuple[str, ...], str]] = {}
         self.floor: int | None = None
         self._seen: dict[tuple[str, ...], tuple[int, float]] = {}
-        self._memo: dict = {}  # segment peaks and flops, shared by every score
+        # Tape-only facts, computed once; scores every plan (`_planner_fast`).
+        self.index = TapeIndex(tape)
+        self._memo: dict = self.index._seg_memo  # segment peaks and flops, shared
+        self.scores = 0  # plans simulated (each O(records)): the search's work
+        # How many plans the search may simulate: every family on small tapes; on big
+        # ones a budget of record-simulations (`WORK`), spent in the order of
+        # `budget._save_recompute`, each family stopping when its share is spent.
+        self.limit = limit if limit is not None else max(MIN_SCORES, WORK // max(self.n, 1))
+
+    def left(self) -> int:
+        """Simulations left of `limit`."""
+        return self.limit - self.scores
 
     def with_fixed(self, dec: Iterable[str]) -> tuple[str, ...]:
         return tuple(f if f is not None else d for f, d in zip(self.fixed, dec))
 
     def planned(self, dec: Sequence[str]) -> Tape:
-        from tapegrad._checkpoint import build_segments
-
         # The schedule (segments, `estimate`) reads decisions from ``dec`` and the
         # segments, never from Record.decision: no need to copy every record.
-        return dataclasses.replace(self.tape, segments=build_segments(self.tape, dec))
+        return self.index.planned(dec)
+
+    def simulate(self, dec: Sequence[str], trace: dict | None = None):
+        """`budget.simulate` of the tape planned with ``dec`` (binding decisions applied
+        by the caller)."""
+        self.scores += 1
+        return self.index.simulate(dec, trace)
 
     def score(self, dec: Iterable[str], family: str = "") -> tuple[int, float]:
         """(peak, flops) of ``dec`` (binding decisions applied); updates best and floor."""
-        from tapegrad.policies.budget import estimate
-
         d = self.with_fixed(dec)
         if d not in self._seen:
-            self._seen[d] = estimate(self.planned(d), self._memo)
+            self._seen[d] = self.simulate(d)[:2]
             peak, flops = self._seen[d]
             self.floor = peak if self.floor is None else min(self.floor, peak)
             if peak <= self.budget:
@@ -200,22 +222,51 @@ def _activation_bytes(sc: Scorer) -> tuple[list[int], list[int], dict[int, int],
     return act, cross, producer, last_use
 
 
+def _spread(m: int) -> list[int]:
+    """0..m-1 ordered coarse to fine (ends, middle, quarters, ...), so a search cut
+    short by its work limit has still tried the whole range."""
+    if m <= 2:
+        return list(range(m))
+    order, queue = [0, m - 1], [(0, m - 1)]
+    while queue:
+        nxt = []
+        for lo, hi in queue:
+            if hi - lo > 1:
+                mid = (lo + hi) // 2
+                order.append(mid)
+                nxt += [(lo, mid), (mid, hi)]
+        queue = nxt
+    return order
+
+
 def cut_plans(
     sc: Scorer,
     classes: Sequence[str] = ("nothing_saveable", "dots_saveable"),
     mixed_spans: int = 12,
+    share: int | None = None,
 ) -> None:
+    """Cut plans (see the module's docstring); at most ``share`` new scores (default:
+    no bound but the scorer's limit), cut sets tried coarse to fine."""
+    import bisect
+
     n = sc.n
     if n < 2:
         return
+    stop = sc.scores + (share if share is not None else sc.left())
     act, cross, producer, last_use = _activation_bytes(sc)
+    spans_of = [
+        (producer[v], lu) for v, lu in last_use.items() if v in producer and lu > producer[v]
+    ]
 
-    def crossing(c: int) -> set[int]:
-        return {
-            producer[v]
-            for v, lu in last_use.items()
-            if lu > c and v in producer and producer[v] <= c
-        }
+    def crossing_any(cut_set: Sequence[int]) -> set[int]:
+        """Producers of the values crossing some cut (produced at or before it, used
+        after it)."""
+        out = set()
+        for p, lu in spans_of:
+            j = bisect.bisect_left(cut_set, p)
+            if j < len(cut_set) and cut_set[j] < lu:
+                out.add(p)
+        return out
 
     total = max(sum(act), 1)
     cut_sets: list[tuple[int, ...]] = []
@@ -231,9 +282,12 @@ def cut_plans(
                 acc = sum(act[start : i + 1])
         if tuple(cuts) not in cut_sets:
             cut_sets.append(tuple(cuts))
-    for cut_set in cut_sets:
+    for j in _spread(len(cut_sets)):
+        if sc.scores >= stop:
+            return
+        cut_set = cut_sets[j]
         spans = [(a + 1, b) for a, b in zip((-1,) + cut_set, cut_set + (n - 1,))]
-        at_cuts = set().union(*(crossing(c) for c in cut_set)) if cut_set else set()
+        at_cuts = crossing_any(cut_set) if cut_set else set()
 
         def decisions(levels: Sequence[str | None]) -> list[str]:
             """Span j recomputed except what class levels[j] saves; None: span saved."""
@@ -249,22 +303,37 @@ def cut_plans(
         m = len(spans)
         for cls in classes:
             lo, hi = 0, m  # the largest number of saved spans that fits
-            while lo <= hi:
+            while lo <= hi and sc.scores < stop:
                 mid = (lo + hi) // 2
                 if sc.fits(decisions([cls] * (m - mid) + [None] * mid), f"cuts+{cls}"):
                     lo = mid + 1
                 else:
                     hi = mid - 1
-        if m <= mixed_spans and len(classes) >= 2:
+        if m <= mixed_spans and len(classes) >= 2 and sc.scores < stop:
             # Mixed: the last spans saved, the ones before them with the lighter class
             # (dots kept), the first ones with the heavier (nothing kept).
             heavy, light = classes[0], classes[1]
+
+            def mixed(k_saved: int, k_light: int) -> list[str]:
+                levels = [heavy] * (m - k_saved - k_light) + [light] * k_light + [None] * k_saved
+                return decisions(levels)
+
+            fam = f"cuts+{heavy}/{light}"
+            every = m * (m - 1) // 2 <= stop - sc.scores
             for k_saved in range(m):
-                for k_light in range(1, m - k_saved):
-                    levels = (
-                        [heavy] * (m - k_saved - k_light) + [light] * k_light + [None] * k_saved
-                    )
-                    sc.score(decisions(levels), f"cuts+{heavy}/{light}")
+                if every:
+                    for k_light in range(1, m - k_saved):
+                        sc.score(mixed(k_saved, k_light), fam)
+                    continue
+                # Under the work limit: per k_saved, the most lighter spans that fit
+                # (bisection; more of them is less recompute and more bytes).
+                lo, hi = 1, m - k_saved - 1
+                while lo <= hi and sc.scores < stop:
+                    mid = (lo + hi) // 2
+                    if sc.fits(mixed(k_saved, mid), fam):
+                        lo = mid + 1
+                    else:
+                        hi = mid - 1
 
 
 def ratio_plans(sc: Scorer) -> None:
@@ -333,6 +402,8 @@ def refine(sc: Scorer, starts: int = 2, max_tries: int = 512, patience: int = 96
         current = list(dec)
         misses = 0
         for i in in_segments[:max_tries]:
+            if sc.left() <= 0:
+                return
             trial = list(current)
             trial[i] = "save"
             peak, f = sc.score(trial, family + "+refined")

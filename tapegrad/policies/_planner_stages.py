@@ -33,7 +33,7 @@ def stage_bounds(sc: Any, max_stages: int = 32) -> list[tuple[int, int]] | None:
     n = sc.n
     # The program simulates every run of stages once: O(stages^2 * records). Keep it
     # to about a second (32 stages of a 130-record tape, 17 of a 450-record one).
-    max_stages = max(8, min(max_stages, math.isqrt(133_000 // max(n, 1))))
+    max_stages = min(max_stages, max(8, math.isqrt(133_000 // max(n, 1))))
     free = {v.id for v in tape.inputs} | {v.id for v, _ in tape.consts}
     producer = {o.id: r.index for r in tape.records for o in r.outputs}
     last: dict[int, int] = {}
@@ -74,14 +74,21 @@ def stage_bounds(sc: Any, max_stages: int = 32) -> list[tuple[int, int]] | None:
 
 
 def stage_plan(
-    sc: Any, modes: Sequence[str] = ("nothing_saveable", "dots_saveable")
+    sc: Any,
+    modes: Sequence[str] = ("nothing_saveable", "dots_saveable"),
+    share: int | None = None,
 ) -> list[str] | None:
-    """The least-flops stage plan the decomposition predicts to fit, or None."""
+    """The least-flops stage plan the decomposition predicts to fit, or None. It
+    simulates L(L+1)/2 runs per mode for L stages: at most ``share`` simulations
+    (fewer stages when needed)."""
     from tapegrad.policies._planner_chain import _pareto
     from tapegrad.policies._planner_search import CLASSES
-    from tapegrad.policies.budget import simulate
 
-    stages = stage_bounds(sc)
+    max_stages = 32
+    if share is not None:
+        while max_stages > 3 and max_stages * (max_stages + 1) // 2 * len(modes) + 1 > share:
+            max_stages -= 1
+    stages = stage_bounds(sc, max_stages)
     if stages is None:
         return None
     tape, n, budget = sc.tape, sc.n, sc.budget
@@ -112,7 +119,7 @@ def stage_plan(
             out[owner(k)] += b
         return out
 
-    _, _, size0 = simulate(sc.planned(sc.with_fixed(["save"] * n)), sc._memo)
+    _, _, size0 = sc.simulate(sc.with_fixed(["save"] * n))
     kept0 = kept_by_stage(size0)
     before0 = [sum(kept0[:s]) for s in range(L + 1)]
 
@@ -124,7 +131,7 @@ def stage_plan(
             for mode in modes:
                 dec = run_decisions(s, t, mode)
                 trace: dict[int, int] = {}
-                _, flops, size = simulate(sc.planned(dec), sc._memo, trace)
+                _, flops, size = sc.simulate(dec, trace)
                 kept = kept_by_stage(size)
                 before = sum(kept[:s])
                 hi = stages[t + 1][1] if t + 1 < L else n - 1

@@ -31,6 +31,7 @@ import numpy as np
 
 from tapegrad._tape import Record, Tape, itemsize
 from tapegrad.errors import TapegradError
+from tapegrad.policies._cost import device_nbytes
 
 __all__ = ["Budget", "budget", "estimate", "BudgetError", "record_flops"]
 
@@ -175,9 +176,10 @@ class Budget:
         self.last: dict[str, Any] = {}
         # Plans by tape structure: tg.grad, memory_report and jit of one function
         # trace the same tape; planning it once keeps tracing cheap. Bounded.
-        self._plans: dict[tuple, tuple[list[str], dict[str, Any], dict]] = {}
+        self._plans: dict[tuple, tuple[list[str], dict[str, Any], dict, dict]] = {}
         # The mechanism of each residual of the tape planned last (residual key -> name).
         self._mech: dict[Any, str] = {}
+        self._res_canon: dict[Any, tuple[str, int, float]] = {}
         self._impl: dict[str, Any] = {}
 
     def _mechanism(self, name: str) -> Any:
@@ -254,7 +256,7 @@ class Budget:
         ]
         key = (search.structure_key(tape, fixed), tuple(hints))
         if key in self._plans:
-            dec, self.last, canon = self._plans[key]
+            dec, self.last, canon, self._res_canon = self._plans[key]
             self._mech = _from_canonical(tape, canon)
             return list(dec)
         if self.mechanisms:
@@ -270,13 +272,32 @@ class Budget:
                     "held at once."
                 )
             flops, peak, chosen, family = best
-            self.last = {"peak_bytes": peak, "recompute_flops": flops, "plan": family}
+            kept = sc.index.residual_keys(sc.index.segments(chosen))[0]
+            self.last = {
+                "peak_bytes": peak,
+                "recompute_flops": flops,
+                "plan": family,
+                "plans_scored": sc.scores,
+                "residuals": {
+                    k: ("save", device_nbytes(v), 0.0)
+                    for k, v in kept.items()
+                    if not (isinstance(k, int) and k in sc.index.free)
+                },
+            }
             canon = {}
         self._mech = _from_canonical(tape, canon)
+        # Each kept residual's (mechanism, device bytes, predicted seconds), by names that
+        # survive re-tracing: `memory_report` shows them on its own trace (`decisions`).
+        self._res_canon = _to_canonical(tape, self.last.get("residuals", {}))
         if len(self._plans) >= 8:
             self._plans.pop(next(iter(self._plans)))
-        self._plans[key] = (list(chosen), self.last, canon)
+        self._plans[key] = (list(chosen), self.last, canon, self._res_canon)
         return list(chosen)
+
+    def decisions(self, tape: Tape) -> dict[Any, tuple[str, int, float]]:
+        """Residual key of ``tape`` (a trace of the function planned last) -> (mechanism:
+        "save" / "offload" / "bf16" / "int8", device bytes, predicted seconds it adds)."""
+        return _from_canonical(tape, self._res_canon)
 
     def _plan_joint(self, tape: Tape, fixed: list, hints: list) -> tuple[tuple, dict]:
         """Save/recompute plans at the budget and at relaxed ones (less recompute, more
@@ -294,6 +315,7 @@ class Budget:
         hinted = sc.with_fixed("save" if h is None or h.saves else "recompute" for h in hints)
         cands: list[tuple[tuple, str]] = [(hinted, "hints")]
         floor = None
+        scored_plans = 0  # plans simulated by the save/recompute searches, and below
         if "recompute" in self.allow:
             save_peak = sc.score(hinted)[0]
             if self.bytes < save_peak:
@@ -301,8 +323,10 @@ class Budget:
                 # fits); the (peak, flops) Pareto front of every plan it scored gives
                 # the relaxed candidates: less recompute, more bytes left to move.
                 sr, best = _save_recompute(tape, fixed, hints, self.bytes)
+                scored_plans += sr.scores
                 if best is None and sr.floor is not None:
                     sr, best = _save_recompute(tape, fixed, hints, sr.floor)
+                    scored_plans += sr.scores
                 if best is not None:
                     cands.append((best[2], best[3]))
                     cands += [(d, "relaxed") for d in _relaxed(sr, best[1], save_peak)]
@@ -365,6 +389,7 @@ class Budget:
                 for i, k in enumerate(tl.keys)
             },
             "stored_bytes": int(opts.stored[r, choice].sum()),
+            "plans_scored": scored_plans + sc.scores,
         }
         mech = {k: m for k, m in zip(tl.keys, names) if m != "save"}
         return dec, _to_canonical(tape, mech)
@@ -488,16 +513,24 @@ def _save_recompute(tape: Tape, fixed: list, hints: list, budget: int) -> tuple[
         if chain_dec is not None:
             sc.score(chain_dec, "chain DP")
     else:
-        stage_dec = stage_plan(sc)
+        # (its own bound, ~133,000 record-simulations, on tapes the limit does not bind)
+        small = sc.limit >= SMALL_SEARCH
+        stage_dec = stage_plan(sc, share=None if small else sc.left() // 5)
         if stage_dec is not None:
             sc.score(stage_dec, "stage DP")
+    # On big tapes the scorer's work limit (`_planner_search.WORK`) bounds the search:
+    # the families below share what is left, refinement takes the rest.
     search.class_plans(sc)
-    search.cut_plans(sc)
     search.ratio_plans(sc)
+    search.cut_plans(sc, share=sc.left() * 2 // 3)
     if ch is None:  # on a chain the program is already optimal
         search.descend(sc)
     search.refine(sc)
     return sc, sc.best
+
+
+# A scorer allowed this many plans searches as it always did (tapes up to ~200 records).
+SMALL_SEARCH = 1_000
 
 
 def _ilp_solver(tape: Tape) -> Any:

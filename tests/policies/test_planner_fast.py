@@ -1,0 +1,126 @@
+"""The planner's scoring engine (`_planner_fast.TapeIndex`) against the executor's own
+functions: on random plans of chains, DAGs, checkpoint regions, derived residuals and
+loops, its segments are `build_segments`' and its (peak, flops, kept sizes, per-record
+trace) are `budget.simulate`'s on the planned tape."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tapegrad as tg
+from tapegrad._checkpoint import build_segments
+from tapegrad.policies._planner_fast import TapeIndex
+from tapegrad.policies.budget import simulate
+from tests.policies.test_budget import Cube, gated, make, residual2
+from tests.policies.test_planner_joint import block, layered_dag
+
+
+def with_aux(ws, x):
+    h = Cube.apply(jnp.sin(x @ ws[0]))
+    h = h + jnp.tanh(h @ ws[1])
+    return jnp.sum(jnp.cos(h) ** 2)
+
+
+def regions(ws, x):
+    layer = tg.checkpoint(lambda h, w: jnp.tanh(jnp.sin(h @ w)))
+    h = x
+    for w in ws:
+        h = h + layer(h, w)
+    return jnp.sum(h**2)
+
+
+def loop(ws, x):
+    def body(h, w):
+        return jnp.tanh(h @ w), jnp.sum(h)
+
+    h, ys = jax.lax.scan(body, jnp.sin(x), jnp.stack(ws))
+    return jnp.sum(jnp.exp(h) ** 2) + jnp.sum(ys)
+
+
+def _tapes():
+    d = 16
+    ks = iter(jax.random.split(jax.random.key(3), 16))
+    blk = (
+        [tuple(jax.random.normal(next(ks), (d, d)) / 4 for _ in range(6))],
+        jax.random.normal(next(ks), (8, d)),
+    )
+    sq = [(8, 8)] * 4
+    return {
+        "residual2": (residual2, make([(8, 16), (16, 8), (8, 24), (24, 8)])),
+        "gated": (gated, make([(8, 16), (8, 16), (16, 8)])),
+        "aux": (with_aux, make([(8, 8), (8, 8)])),
+        "regions": (regions, make(sq)),
+        "loop": (loop, make(sq)),
+        "block": (block, blk),
+        "dag": (layered_dag(5, 5, 3), (jnp.eye(8) * 0.5, jnp.ones((4, 8)))),
+    }
+
+
+def _seg_sig(segs):
+    return [
+        (s.id, s.records, tuple(v.id for v in s.inputs), tuple(v.id for v in s.outputs))
+        for s in segs
+    ]
+
+
+@pytest.mark.parametrize("name", list(_tapes()))
+def test_index_scores_as_the_executor(name):
+    f, args = _tapes()[name]
+    tape = tg.trace(f, argnums=0)(*args)
+    n = len(tape.records)
+    idx = TapeIndex(tape)
+    rng = np.random.default_rng(0)
+    plans = [["save"] * n, ["recompute"] * n]
+    for p in (0.1, 0.3, 0.5, 0.8):
+        plans += [["recompute" if r else "save" for r in rng.random(n) < p] for _ in range(10)]
+    assert any(build_segments(tape, d) for d in plans)
+    for dec in plans:
+        segs = build_segments(tape, dec)
+        assert _seg_sig(idx.segments(dec)) == _seg_sig(segs)
+        planned = dataclasses.replace(tape, segments=segs)
+        t_ref: dict = {}
+        t_idx: dict = {}
+        ref = simulate(planned, {}, t_ref)
+        got = idx.simulate(dec, t_idx)
+        assert got[:2] == ref[:2], dec
+        assert got[2] == ref[2] and list(got[2]) == list(ref[2])
+        assert t_idx == t_ref
+
+
+def test_a_thousand_record_tape_plans_within_a_bounded_search():
+    # A 300-layer MLP with residual adds (~900 records): the search simulates a bounded
+    # number of plans (work, not wall clock), with the default allow and all four.
+    from tapegrad.policies import _planner_search as search
+    from tapegrad.policies.budget import Budget, estimate
+    from tests.policies.test_planner_joint import COSTS
+
+    def deep(ws, x):
+        h = x
+        for w in ws:
+            h = h + jnp.tanh(h @ w)
+        return jnp.sum(h**2)
+
+    rng = np.random.default_rng(1)
+    ws = [jnp.asarray(w, jnp.float32) for w in rng.normal(size=(300, 16, 16)) / 4]
+    tape = tg.trace(deep, argnums=0)(ws, jnp.asarray(rng.normal(size=(8, 16)), jnp.float32))
+    n = len(tape.records)
+    assert n >= 900
+    full = estimate(tape)[0]
+    bound = 2 * max(search.MIN_SCORES, search.WORK // n) + 4  # two searches at most
+    for kw in ({}, dict(allow=("save", "recompute", "offload", "compress"), max_error="int8")):
+        pol = Budget(int(full * 0.4), costs=COSTS, **kw)
+        dec = pol.plan(tape, [None] * n)
+        assert pol.last["plans_scored"] <= bound, pol.last
+        assert pol.last["peak_bytes"] <= pol.bytes
+        # the plan is what it says: the executor's schedule agrees
+        planned = dataclasses.replace(tape, segments=build_segments(tape, dec))
+        peak, flops, _ = simulate(planned)
+        assert flops == pol.last["recompute_flops"]
+        if not kw:
+            assert peak == pol.last["peak_bytes"]
+        assert "recompute" in dec
