@@ -166,7 +166,7 @@ def train(model: str, policy: str, seed: int, steps: int, batch: int, lr: float,
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--lr", type=float, default=2e-3)
