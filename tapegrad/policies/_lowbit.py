@@ -13,22 +13,23 @@ do not pile up through a network's backward). One value is off by less than one
 ``scale``. ``low`` and ``scale`` are stored in bfloat16 (float32 for float64
 residuals): ``low`` rounded *down* and ``scale`` rounded *up*, so every value of the
 group still lies in ``[low, low + (2**bits - 1) * scale]`` and nothing is clipped;
-the cost is a range at most ``|min| * 2**-8`` wider than the group's own (and a
-``scale`` at most ``2**-8`` coarser). Per group of 128 float32 values: 2-bit codes
+the cost is a range at most ``|min| * 2**-7`` wider than the group's own (and a
+``scale`` at most ``2**-7`` coarser). Per group of 128 float32 values: 2-bit codes
 take 32 bytes, 4-bit 64, 8-bit 128, plus 4 bytes of ``low`` and ``scale``
 (~0.070x, ~0.133x, ~0.258x of the 512 float32 bytes).
 
 The noise. ``u`` comes from a counter-based hash of each value's position, seeded
-by a 32-bit seed drawn (threefry) from the policy's key folded with the residual's
-id (its record's index, the enclosing loops' indices, which of the record's values)
-and with a digest of the residual's group minima and maxima. For a fixed position
-the hash is a bijection of the seed, so ``u`` is exactly uniform over seeds; the
-same key and data give the same codes (reproducible); two residuals, or one
-residual in two training steps whose data differ, get different noise. A loop body
+by a 32-bit hash of the policy's key, the residual's id (its record's index, the
+enclosing loops' indices, which of the record's values) and a digest of the
+residual's group minima and maxima. Each hash step is a bijection, so for a fixed
+position ``u`` is exactly uniform over (uniformly random) keys; the same key and
+data give the same codes (reproducible); two residuals, or one residual in two
+training steps whose data differ, get different noise. A loop body
 packs its residuals once per step; the step index is not given to the policy, so
 steps are told apart by their data (the digest): two steps with bit-identical
 group extremes would share their noise. Why a hash and not ``jax.random.bits`` for
-every value: threefry costs ~4x more per value than the rest of the packing on CPU.
+every value: threefry costs ~4x more per value than the rest of the packing on CPU,
+and adds ~0.5 s of compile to every program that packs.
 """
 
 from __future__ import annotations
@@ -50,9 +51,8 @@ from tapegrad.policies._groups import (
     to_groups,
 )
 
-__all__ = ["LowBit", "pack_lowbit", "unpack_lowbit", "lowbit_layout", "residual_id", "BITS"]
+__all__ = ["LowBit", "pack_lowbit", "unpack_lowbit", "lowbit_layout", "residual_id", "key_words"]
 
-BITS = (2, 4, 8)
 _KINDS = {"in": 0, "out": 1}
 
 
@@ -109,14 +109,15 @@ def residual_id(info) -> int:
     return h
 
 
-def as_key(key):
-    """The policy's ``key=`` as a typed PRNG key: an int seed, a typed key, or raw
-    uint32 key data."""
+def key_words(key):
+    """The policy's ``key=`` (an int seed, a typed PRNG key, or raw uint32 key data) as
+    uint32 words: an int seed gives the words of ``jax.random.key(seed)``."""
     if isinstance(key, (int, np.integer)):
-        return jax.random.key(int(key))
+        seed = int(key) % 2**64
+        return np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        return key
-    return jax.random.wrap_key_data(key)
+        key = jax.random.key_data(key)
+    return key.reshape(-1)
 
 
 def _round(x, dtype, up: bool):
@@ -137,6 +138,26 @@ def _digest(*arrays):
     return out
 
 
+def _mix(h):
+    """lowbias32 (Chris Wellons' integer hash): a bijection of uint32 with good
+    avalanche, ~6 integer ops."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x7FEB352D)
+    h = h ^ (h >> 15)
+    h = h * jnp.uint32(0x846CA68B)
+    return h ^ (h >> 16)
+
+
+def _seed(words, rid, digest):
+    """One uint32 from the key's words, the residual's id and its data's digest. Each
+    step is a bijection of the first key word, so a uniformly random key gives a
+    uniformly random seed (no threefry: it costs ~0.5 s of compile per program)."""
+    h = rid
+    for i in range(words.shape[0]):
+        h = _mix(h ^ words[i])
+    return _mix(h + digest)
+
+
 def _uniform(seed, like):
     """U[0, 1) per element of ``like`` (24 bits), from a hash of each element's
     position (lowbias32, a bijection of uint32) seeded by ``seed``."""
@@ -148,12 +169,7 @@ def _uniform(seed, like):
         term = i if stride == 1 else i * jnp.uint32(stride % 2**32)
         pos = term if pos is None else pos + term
         stride *= shape[d]
-    h = pos * jnp.uint32(0x9E3779B9) + seed
-    h = h ^ (h >> 16)
-    h = h * jnp.uint32(0x7FEB352D)
-    h = h ^ (h >> 15)
-    h = h * jnp.uint32(0x846CA68B)
-    h = h ^ (h >> 16)
+    h = _mix(pos * jnp.uint32(0x9E3779B9) + seed)
     return (h >> 8).astype(like.dtype) * like.dtype.type(2.0**-24)
 
 
@@ -179,7 +195,7 @@ def _unpack_bits(words, bits: int):
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "lay"))
-def pack_lowbit(value, key, rid, *, bits: int, lay: Layout) -> LowBit:
+def pack_lowbit(value, words, rid, *, bits: int, lay: Layout) -> LowBit:
     ct = _compute_dtype(value.dtype)
     sd = _stats_dtype(ct)
     levels = 2**bits - 1
@@ -188,10 +204,13 @@ def pack_lowbit(value, key, rid, *, bits: int, lay: Layout) -> LowBit:
     low = _round(lo, sd, up=False)
     step = (hi - low.astype(ct)) / levels
     scale = _round(jnp.where(step > 0, step, 1), sd, up=True)
-    key = jax.random.fold_in(jax.random.fold_in(key, rid), _digest(lo, hi))
-    seed = jax.random.bits(key, (), jnp.uint32)
+    seed = _seed(jnp.asarray(words, jnp.uint32), jnp.uint32(rid), _digest(lo, hi))
     t = (x - low.astype(ct)[..., None]) / scale.astype(ct)[..., None]
-    q = jnp.clip(jnp.floor(t + _uniform(seed, t)), 0, levels).astype(jnp.uint8)
+    # Up with probability frac(t): floor(t + u) would round t + u itself (one ulp of t
+    # is 2^-16 at t ~ 255), this compares in [0, 1) (bias under 2^-24 of a step).
+    whole = jnp.floor(t)
+    up = _uniform(seed, t) < t - whole
+    q = jnp.clip(whole + up.astype(ct), 0, levels).astype(jnp.uint8)
     return LowBit(_pack_bits(q, bits), low, scale, bits, lay)
 
 

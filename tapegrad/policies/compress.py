@@ -38,9 +38,8 @@ from tapegrad.policies._groups import (
     to_groups,
 )
 from tapegrad.policies._lowbit import (
-    BITS,
     LowBit,
-    as_key,
+    key_words,
     lowbit_layout,
     pack_lowbit,
     packed_nbytes,
@@ -52,6 +51,7 @@ __all__ = ["Compress", "compress", "Int8", "Int8Blocks", "LowBit", "DEFAULT_BLOC
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_GROUP = 128
+BITS = (2, 4, 8)
 _QMAX = 127  # symmetric: -128 is never used, so q and -q are both representable
 _STEPS_PER_OCTAVE = 16
 # Block scale = tensor scale * _GRID[code]: 1, 2^(-1/16), ..., 2^(-255/16).
@@ -297,9 +297,9 @@ class Compress:
             lay = lowbit_layout(value, self.bits, self.group)
             if packed_nbytes(lay, self.bits, value.dtype) >= info.nbytes:
                 return value  # a few values: min and scale would cost more than they save
-            key = as_key(0 if self.key is None else self.key)
+            words = key_words(0 if self.key is None else self.key)
             rid = np.uint32(residual_id(info))
-            return pack_lowbit(value, key, rid, bits=self.bits, lay=lay)
+            return pack_lowbit(value, words, rid, bits=self.bits, lay=lay)
         if not self.int8:
             if jnp.issubdtype(self.dtype, jnp.floating) and self.dtype.itemsize == 1:
                 # float8 has no inf; saturate instead of overflowing to NaN.
