@@ -29,10 +29,29 @@ import jax.numpy as jnp
 import numpy as np
 
 from tapegrad.policies._base import as_array
+from tapegrad.policies._groups import (
+    Layout,
+    dim_shards,
+    explicit_sharding,
+    from_groups,
+    layout_for,
+    to_groups,
+)
+from tapegrad.policies._lowbit import (
+    LowBit,
+    key_words,
+    lowbit_layout,
+    pack_lowbit,
+    packed_nbytes,
+    residual_id,
+    unpack_lowbit,
+)
 
-__all__ = ["Compress", "compress", "Int8", "Int8Blocks", "DEFAULT_BLOCK_SIZE"]
+__all__ = ["Compress", "compress", "Int8", "Int8Blocks", "LowBit", "DEFAULT_BLOCK_SIZE"]
 
 DEFAULT_BLOCK_SIZE = 16
+DEFAULT_GROUP = 128
+BITS = (2, 4, 8)
 _QMAX = 127  # symmetric: -128 is never used, so q and -q are both representable
 _STEPS_PER_OCTAVE = 16
 # Block scale = tensor scale * _GRID[code]: 1, 2^(-1/16), ..., 2^(-255/16).
@@ -49,12 +68,14 @@ class Int8(NamedTuple):
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class Int8Blocks:
-    """An int8-quantized residual with one scale per ``block_size`` consecutive
-    elements of its row-major flattening (along the last axis):
-    ``flat(value)[i] ≈ flat(q)[i] * block_scales(self)[i // block_size]``.
+    """An int8-quantized residual with one scale per block of ``block_size``
+    consecutive elements along its rows (`tapegrad.policies._groups`: the trailing
+    dimensions after the last sharded one; on one device, the whole row-major
+    flattening): ``row(value)[i] ≈ row(q)[i] * block_scales(self)[..., i // block_size]``.
 
-    ``q`` keeps the residual's shape (the last block may be short); ``code``
-    (uint8, one per block) and ``scale`` (the largest block scale) encode the
+    ``q`` keeps the residual's shape and sharding (a row's last block may be short);
+    ``code`` (uint8, one per block, shaped ``(*lead, blocks)``, sharded like the
+    residual's leading dimensions) and ``scale`` (the largest block scale) encode the
     block scales, ``scale * 2 ** (-code / 16)``.
     """
 
@@ -64,8 +85,30 @@ class Int8Blocks:
     block_size: int = field(metadata=dict(static=True))
 
 
+def _grid(code, dtype):
+    # A gather from a replicated table: under Explicit mesh axes it must be told to
+    # give its result the codes' sharding.
+    table = jnp.asarray(_GRID, dtype)
+    return table.at[code.astype(jnp.int32)].get(out_sharding=explicit_sharding(code))
+
+
 def _grid_scales(code, top):
-    return top * jnp.asarray(_GRID, top.dtype)[code.astype(jnp.int32)]
+    return top * _grid(code, top.dtype)
+
+
+def _grid_code(ratio):
+    """The largest code whose grid point is at or above ``ratio`` (in (0, 1]): the
+    finest scale that does not clip. Below 2^-16 of the top, code 255.
+
+    (``jnp.searchsorted`` on the grid says the same, but it cannot take sharded
+    queries under Explicit mesh axes.) The logarithm lands within one code of the
+    answer; two comparisons with the grid itself make it exact.
+    """
+    c = jnp.clip(jnp.floor(-_STEPS_PER_OCTAVE * jnp.log2(ratio)), 0, 255).astype(jnp.int32)
+    c = jnp.where(_grid(c, ratio.dtype) < ratio, c - 1, c)
+    up = jnp.minimum(c + 1, 255)
+    c = jnp.where((c < 255) & (_grid(up, ratio.dtype) >= ratio), up, c)
+    return c.astype(jnp.uint8)
 
 
 def block_scales(packed: Int8Blocks):
@@ -94,39 +137,39 @@ def _round_q(value, scale):
     return jnp.clip(jnp.round(value / scale), -_QMAX, _QMAX).astype(jnp.int8)
 
 
-def _blocks(flat, block_size):
-    """``flat`` zero-padded to whole blocks, as ``(n_blocks, block_size)``."""
-    pad = -flat.shape[0] % block_size
-    if pad:
-        flat = jnp.pad(flat, (0, pad))
-    return flat.reshape(-1, block_size)
+def _block_layout(value, block_size: int) -> Layout:
+    return layout_for(value.shape, dim_shards(value), block_size)
+
+
+def _packed_layout(packed: Int8Blocks) -> Layout:
+    shape, lead = tuple(packed.q.shape), packed.code.ndim - 1
+    row = int(np.prod(shape[lead:], dtype=np.int64))
+    g = packed.block_size
+    return Layout(shape, lead, row, packed.code.shape[-1], g, g)
 
 
 # Pack and unpack are a dozen small ops each: jitted, eager backward pays one
 # dispatch for them instead of a dozen (under an outer jit they are inlined).
 @functools.partial(jax.jit, static_argnums=1)
-def _pack_blocks(value, block_size: int) -> Int8Blocks:
+def _pack_blocks(value, lay: Layout) -> Int8Blocks:
     ct = _compute_dtype(value.dtype)
-    blocks = _blocks(value.reshape(-1).astype(ct), block_size)
-    want = _scale_for(jnp.max(jnp.abs(blocks), axis=1))
+    blocks = to_groups(value.astype(ct), lay, edge=False)
+    want = _scale_for(jnp.max(jnp.abs(blocks), axis=-1))
     top = jnp.max(want)
     # The finest grid point at or above each block's own scale (ratio <= 1, so
     # code 0 = the largest block always qualifies); below 2^-16 of it, code 255.
-    ascending = jnp.asarray(_GRID[::-1], ct)
-    code = (255 - jnp.searchsorted(ascending, want / top)).astype(jnp.uint8)
-    q = _round_q(blocks, _grid_scales(code, top)[:, None])
-    # Drop the padding: q has the residual's shape and bytes.
-    q = q.reshape(-1)[: value.size].reshape(value.shape)
-    return Int8Blocks(q, code, top, block_size)
+    code = _grid_code(want / top)
+    q = _round_q(blocks, _grid_scales(code, top)[..., None])
+    # Drop the padding: q has the residual's shape, bytes and sharding.
+    return Int8Blocks(from_groups(q, lay), code, top, lay.group)
 
 
 @functools.partial(jax.jit, static_argnums=1)
 def _unpack_blocks(packed: Int8Blocks, dtype):
-    q = packed.q
+    lay = _packed_layout(packed)
     ct = _compute_dtype(dtype)
-    blocks = _blocks(q.reshape(-1), packed.block_size).astype(ct)
-    flat = (blocks * block_scales(packed).astype(ct)[:, None]).reshape(-1)
-    return flat[: q.size].reshape(q.shape).astype(dtype)
+    blocks = to_groups(packed.q, lay, edge=False).astype(ct)
+    return from_groups(blocks * block_scales(packed).astype(ct)[..., None], lay).astype(dtype)
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -153,15 +196,60 @@ def _unpack_scaled(packed: Int8, dtype):
     return (packed.q.astype(ct) * packed.scale.astype(ct)).astype(dtype)
 
 
+def _check_bits_args(bits, group, key, axis, block_size) -> None:
+    if isinstance(bits, bool) or bits not in BITS:
+        raise ValueError(f"compress: bits must be one of {BITS}, got {bits!r}.")
+    if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or group < 1:
+        raise ValueError(f"compress(bits={bits}): group must be a positive int, got {group!r}.")
+    if axis is not None or not (isinstance(block_size, str) and block_size == "auto"):
+        raise ValueError(
+            f"compress(bits={bits}): axis= and block_size= apply to 'int8'; "
+            "bits= takes group= (values per min/scale) instead."
+        )
+    if key is not None and not isinstance(key, (int, np.integer)):
+        dt = getattr(key, "dtype", None)
+        if dt is None or not (
+            jnp.issubdtype(dt, jax.dtypes.prng_key) or (dt == jnp.uint32 and key.shape == (2,))
+        ):
+            raise TypeError(
+                f"compress(bits={bits}): key must be an int seed or a jax PRNG key "
+                f"(jax.random.key(0)), got {type(key).__name__}."
+            )
+
+
 class Compress:
-    """Floating residuals stored in ``dtype`` (or int8 blocks); see `compress`."""
+    """Floating residuals stored in ``dtype``, int8 blocks or ``bits``-bit groups; see
+    `compress`."""
 
     def __init__(
-        self, dtype: Any, axis: int | None = None, block_size: Any = "auto", inputs: bool = False
+        self,
+        dtype: Any = None,
+        axis: int | None = None,
+        block_size: Any = "auto",
+        inputs: bool = False,
+        *,
+        bits: int | None = None,
+        group: int = DEFAULT_GROUP,
+        key: Any = None,
     ):
         self.inputs = bool(inputs)
+        self.bits, self.group, self.key = bits, group, key
+        self.dtype: Any = None
+        if bits is not None:
+            if dtype is not None:
+                raise ValueError(
+                    f"compress: give a dtype ({dtype!r}) or bits= ({bits!r}), not both."
+                )
+            _check_bits_args(bits, group, key, axis, block_size)
+            self.int8, self.axis, self.block_size = False, None, None
+            self.group = int(group)
+            return
+        if dtype is None:
+            raise ValueError(
+                "compress: give a dtype (jnp.bfloat16, 'int8', ...) or bits=2, 4 or 8."
+            )
         self.int8 = isinstance(dtype, str) and dtype == "int8"
-        self.dtype: Any = None if self.int8 else np.dtype(dtype)
+        self.dtype = None if self.int8 else np.dtype(dtype)
         self.axis = axis
         if self.dtype is not None and not jnp.issubdtype(self.dtype, jnp.floating):
             raise ValueError(f"compress: dtype must be a floating dtype or 'int8', got {dtype!r}.")
@@ -196,6 +284,8 @@ class Compress:
         dt = info.dtype
         if not isinstance(dt, np.dtype) or not jnp.issubdtype(dt, jnp.floating):
             return False
+        if self.bits is not None:
+            return True  # pack checks the bytes against the group overhead
         target = 1 if self.int8 else self.dtype.itemsize
         return target < dt.itemsize
 
@@ -203,6 +293,13 @@ class Compress:
         if not self._applies(info):
             return value
         value = as_array(value, info)  # an input may be a Python or numpy scalar
+        if self.bits is not None:
+            lay = lowbit_layout(value, self.bits, self.group)
+            if packed_nbytes(lay, self.bits, value.dtype) >= info.nbytes:
+                return value  # a few values: min and scale would cost more than they save
+            words = key_words(0 if self.key is None else self.key)
+            rid = np.uint32(residual_id(info))
+            return pack_lowbit(value, words, rid, bits=self.bits, lay=lay)
         if not self.int8:
             if jnp.issubdtype(self.dtype, jnp.floating) and self.dtype.itemsize == 1:
                 # float8 has no inf; saturate instead of overflowing to NaN.
@@ -210,19 +307,30 @@ class Compress:
                 value = jnp.clip(value, -fmax, fmax)
             return value.astype(self.dtype)
         if self.block_size is not None and value.size > self.block_size:
-            return _pack_blocks(value, self.block_size)
+            return _pack_blocks(value, _block_layout(value, self.block_size))
         return _pack_scaled(value, self.axis)
 
     def unpack(self, packed, info):
+        if isinstance(packed, LowBit):
+            return unpack_lowbit(packed, info.dtype)
         if isinstance(packed, Int8Blocks):
             return _unpack_blocks(packed, info.dtype)
         if isinstance(packed, Int8):
             return _unpack_scaled(packed, info.dtype)
-        if not self._applies(info):
-            return packed
+        if getattr(packed, "dtype", info.dtype) == info.dtype:
+            return packed  # left as it was (an integer, an input, a few values)
         return packed.astype(info.dtype)
 
     def __repr__(self) -> str:
+        if self.bits is not None:
+            args = [f"bits={self.bits}"]
+            if self.group != DEFAULT_GROUP:
+                args.append(f"group={self.group}")
+            if self.key is not None:
+                args.append(f"key={self.key!r}" if isinstance(self.key, int) else "key=...")
+            if self.inputs:
+                args.append("inputs=True")
+            return f"compress({', '.join(args)})"
         name = "int8" if self.int8 else self.dtype.name
         extra = ""
         if self.axis is not None:
@@ -235,7 +343,14 @@ class Compress:
 
 
 def compress(
-    dtype: Any, axis: int | None = None, *, block_size: Any = "auto", inputs: bool = False
+    dtype: Any = None,
+    axis: int | None = None,
+    *,
+    bits: int | None = None,
+    group: int = DEFAULT_GROUP,
+    key: Any = None,
+    block_size: Any = "auto",
+    inputs: bool = False,
 ) -> Compress:
     """Store floating residuals in a smaller format; backward gets the original dtype back.
 
@@ -246,12 +361,24 @@ def compress(
     that axis instead, ``block_size=None`` one scale per tensor (exactly 0.25x, less
     accurate: see `tapegrad.policies.compress`'s module notes).
 
+    ``bits=2``, ``4`` or ``8`` (instead of a dtype): per-group min/scale quantization
+    with unbiased stochastic rounding (ActNN), ``group=128`` consecutive values per
+    bfloat16 min and scale, the codes bit-packed into uint8: ~0.070x (2 bits), ~0.133x
+    (4), ~0.258x (8) of float32's bytes. Each value is off by less than its group's
+    scale, and right on average: the noise is drawn from ``key=`` (an int seed or a
+    `jax.random.key`; default seed 0) folded with the residual's id and data, so it is
+    reproducible and differs between residuals (see `tapegrad.policies._lowbit`).
+
+    Groups and blocks run along rows and never cross a shard: packed residuals keep
+    the sharding of the value they stand for, and gradients keep jax.grad's.
+
     Residuals that are the function's own inputs (weights, the batch) are kept as they
     are: the caller holds them anyway, so a compressed copy would add bytes, not save
     them. ``inputs=True`` compresses them too (backward then sees their rounded values).
 
     ```python
     tg.grad(loss, policy=tg.policies.compress("int8"))(w, x)
+    tg.grad(loss, policy=tg.policies.compress(bits=2, key=jax.random.key(1)))(w, x)
     ```
     """
-    return Compress(dtype, axis, block_size, inputs)
+    return Compress(dtype, axis, block_size, inputs, bits=bits, group=group, key=key)
