@@ -239,7 +239,9 @@ def _scan_forward(rec: Record, ins: list, res, observer) -> tuple[list, Any]:
                 r.store.pop(k, None)
             if prev is not None:  # share the previous step's packed output (one copy)
                 for k_in, k_out, _ in _carry_pairs(rec, r.store):
-                    r.store[k_in] = prev.store[k_out]
+                    # unpacked as it was packed: a per-residual policy (route) chose by
+                    # the producing record's info, which may differ from the reader's
+                    r.store[k_in], r.infos[k_in] = prev.store[k_out], prev.infos[k_out]
             steps[t], carry, ys_t[t], prev = r, outs[:nk], outs[nk:], r
         if child is not None:
             observer.add_loop(rec, child, jnp.stack(codes), order)

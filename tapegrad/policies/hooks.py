@@ -77,29 +77,37 @@ class Route:
     def prefetch(self) -> int:
         return 1
 
-    def pack(self, value, info):
+    def _policy(self, info):
         policy = self.fn(info)
         if policy is None:
             raise TypeError(
                 f"route: the routing function returned None for {info}; "
                 "return a policy (e.g. tg.policies.save())."
             )
+        return policy
+
+    # The packed value is the chosen policy's alone (a pytree of arrays, which a loop can
+    # stack per step); unpack asks ``fn`` again, so ``fn`` must decide from ``info`` only.
+    def pack(self, value, info):
+        policy = self._policy(info)
         if info.is_input and not packs_inputs(policy):
-            return (policy, value)  # as the interpreter does for a policy used alone
-        return (policy, policy.pack(value, info))
+            return value  # as the interpreter does for a policy used alone
+        return policy.pack(value, info)
 
     def unpack(self, packed, info):
-        policy, inner = packed
+        policy = self._policy(info)
         if info.is_input and not packs_inputs(policy):
-            return inner
-        return policy.unpack(inner, info)
+            return packed
+        return policy.unpack(packed, info)
 
     def __repr__(self) -> str:
         return f"route({getattr(self.fn, '__name__', '?')})"
 
 
 def route(fn: Callable[[ResidualInfo], Any]) -> Route:
-    """A policy that delegates each residual to ``fn(info)``'s policy.
+    """A policy that delegates each residual to ``fn(info)``'s policy. ``fn`` is called
+    when the residual is packed and again when it is unpacked, and must pick the same
+    policy both times (decide from ``info``: shape, dtype, record, source line, loops).
 
     ```python
     big = tg.policies.route(lambda info: tg.policies.offload() if info.nbytes > 1 << 20

@@ -335,3 +335,23 @@ def test_offload_inputs_false_moves_only_activations(model):
     spy = P.route(lambda info: (seen.append(info.is_input), P.save())[1])
     tg.grad(mlp, policy=spy)(ws, x)
     assert True in seen and False in seen
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_route_inside_a_scan(jit):
+    """A routed residual inside a loop body is stacked per step: the packed value must be
+    the chosen policy's arrays only (it held the policy object, which a scan cannot stack)."""
+
+    def loss(a, h):
+        def step(c, _):
+            c = jnp.tanh(c * a + 0.1)
+            return c, jnp.sin(c)
+
+        c, ys = jax.lax.scan(step, h, None, length=4)
+        return jnp.mean(c**2) + jnp.mean(ys**2)
+
+    pol = P.route(lambda info: P.offload() if info.primitive == "tanh" else P.save())
+    a, h = jnp.linspace(-1.0, 1.0, 8), jnp.linspace(0.5, -0.5, 8)
+    g = tg.grad(loss, argnums=(0, 1), policy=pol)
+    got = (jax.jit(g) if jit else g)(a, h)
+    chex.assert_trees_all_close(got, jax.grad(loss, argnums=(0, 1))(a, h), rtol=1e-5, atol=1e-7)
