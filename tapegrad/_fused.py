@@ -157,6 +157,7 @@ def _record_key(rec: Record) -> tuple:
         rec.names,
         rec.schedule,
         rec.inner_schedule,
+        rec.snapshots,
         rule if rule is not None else (FALLBACK if rec.rule == "fallback" else None),
         tuple(_tape_key(b) for b in rec.bodies) if bodies else (),
     )
