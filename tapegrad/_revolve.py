@@ -95,56 +95,52 @@ def revolve_plan(T: int, snapshots: int) -> RevolvePlan:
     if snapshots < 1:
         raise ValueError(f"revolve needs at least one snapshot, got {snapshots}")
     acts: list[tuple[int, int, int, int]] = []
-
-    def run(a: int, b: int, slot: int, free: tuple[int, ...], fresh: bool) -> None:
-        # Reverse steps [a, b): the carry at a is in ``slot`` (``fresh``: it is the carry
-        # in hand and goes into ``slot`` first).
-        while True:
-            first = (-1, slot) if fresh else (slot, -1)
-            if b - a == 1 or not free:
-                for t in range(b - 1, a - 1, -1):  # no slot left: advance from a each time
-                    acts.append((a, TURN if t == a else ADVANCE, *first))
-                    acts.extend((u, ADVANCE, -1, -1) for u in range(a + 1, t))
-                    if t > a:
-                        acts.append((t, TURN, -1, -1))
-                    first = (slot, -1)
-                return
-            m = a + _first_step(b - a, len(free) + 1)
-            acts.append((a, ADVANCE, *first))
-            acts.extend((u, ADVANCE, -1, -1) for u in range(a + 1, m))
-            run(m, b, free[0], free[1:], True)
-            b, fresh = m, False  # then [a, m) with the slot at m free again
-
-    if T >= 1:
-        run(0, T, 0, tuple(range(1, snapshots)), True)
-    rows = _drop_unread_stores(acts)
+    # Reverse steps [a, b) whose carry at a is in ``slot`` (``fresh``: it is the carry in
+    # hand and goes into ``slot`` first); slots ``free`` to s - 1 are free. A stack, not
+    # recursion: s may be in the thousands.
+    todo = [(0, T, 0, 1, True)] if T >= 1 else []
+    while todo:
+        a, b, slot, free, fresh = todo.pop()
+        first = (-1, slot) if fresh else (slot, -1)
+        if b - a == 1 or free == snapshots:
+            for t in range(b - 1, a - 1, -1):  # no slot left: advance from a each time
+                acts.append((a, TURN if t == a else ADVANCE, *first))
+                acts.extend((u, ADVANCE, -1, -1) for u in range(a + 1, t))
+                if t > a:
+                    acts.append((t, TURN, -1, -1))
+                first = (slot, -1)
+            continue
+        m = a + _first_step(b - a, snapshots - free + 1)
+        acts.append((a, ADVANCE, *first))
+        acts.extend((u, ADVANCE, -1, -1) for u in range(a + 1, m))
+        todo.append((a, m, slot, free, False))  # then [a, m), the slot at m free again
+        todo.append((m, b, free, free + 1, True))  # first [m, b) from a new snapshot
+    rows = _drop_unread_stores(np.asarray(acts, np.int32).reshape(-1, 4))
     # Forward runs the actions up to the first turn (step T-1, whose residuals it keeps).
-    first_turn = next(i for i, a in enumerate(rows) if a[1] == TURN) if rows else 0
-    fwd, bwd = rows[:first_turn], rows[first_turn + 1 :]
+    first_turn = int(np.argmax(rows[:, 1] == TURN)) if len(rows) else 0
+    fwd, actions = rows[:first_turn], rows[first_turn + 1 :]
     store = np.full(max(T - 1, 0), -1, np.int32)
-    for t, _, _, slot in fwd:
-        store[t] = slot
-    spine = tuple(t for t, _, _, slot in fwd if slot >= 0)
-    used = [s for a in rows for s in (a[2], a[3]) if s >= 0]
-    slots = max(used) + 1 if used else 0
-    actions = np.asarray(bwd, np.int32).reshape(-1, 4)
-    return RevolvePlan(T, snapshots, slots, spine, store, actions)
+    store[fwd[:, 0]] = fwd[:, 3]
+    spine = tuple(int(t) for t in fwd[fwd[:, 3] >= 0, 0])
+    slots = int(rows[:, 2:].max()) + 1 if len(rows) else 0
+    return RevolvePlan(T, snapshots, slots, spine, store, np.ascontiguousarray(actions))
 
 
-def _drop_unread_stores(acts: list) -> list:
+def _drop_unread_stores(rows: np.ndarray) -> np.ndarray:
     """The actions without stores no restore reads (the last step's carry, at T = 1)."""
-    out = [list(a) for a in acts]
-    pending: dict[int, int] = {}  # slot -> index of its store not yet read
-    for i, (_, _, restore, store) in enumerate(acts):
+    rows = rows.copy()
+    pending: dict[int, int] = {}  # slot -> row of its store not yet read
+    for i in np.nonzero((rows[:, 2] >= 0) | (rows[:, 3] >= 0))[0].tolist():
+        restore, store = int(rows[i, 2]), int(rows[i, 3])
         if restore >= 0:
             pending.pop(restore, None)
         if store >= 0:
             if store in pending:
-                out[pending[store]][3] = -1
+                rows[pending[store], 3] = -1
             pending[store] = i
     for i in pending.values():
-        out[i][3] = -1
-    return [tuple(a) for a in out]
+        rows[i, 3] = -1
+    return rows
 
 
 def revolve_counts(rec: Record) -> tuple[int, int, int]:
