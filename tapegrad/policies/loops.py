@@ -228,6 +228,8 @@ def loop_plans(rec: Any) -> list[LoopPlan]:
     base = dataclasses.replace(rec, schedule=0, inner_schedule=(), snapshots=0)
     lb = loop_bytes(base)
     out = [LoopPlan((), 0, lb.total, 0)]
+    if rec.primitive != "scan":
+        return out
     nc, nk = rec.params["num_consts"], rec.params["num_carry"]
     if T < 2 or not lb.step or not nk:
         return out
@@ -259,8 +261,10 @@ def choose_loop_schedule(rec: Any, bytes: int) -> LoopPlan:
     `loop_plans` whose predicted backward peak fits ``bytes`` (ties: the fewest bytes);
     when none fits, the one with the smallest peak. Binomial schedules get the most
     snapshots that fit: (bytes − one step) / carry − 1."""
+    if rec.primitive != "scan":
+        return LoopPlan()
     plans = loop_plans(rec)
-    if rec.primitive != "scan" or rec.trip_count < 2 or len(plans) == 1:
+    if rec.trip_count < 2 or len(plans) == 1:
         return plans[0]
     keep = plans[0]
     nc, nk = rec.params["num_consts"], rec.params["num_carry"]
