@@ -4,7 +4,8 @@
     python bench/schedule_bench.py --quick    # T=2,000
 
 For keep-every-step (`save()`), ``scan_checkpoint("sqrt")``, two- and three-level
-nested schedules (``levels=2``/``3``) and the halving schedule (``every="log"``):
+nested schedules (``levels=2``/``3``), the halving schedule (``every="log"``) and
+binomial checkpointing (revolve, ``snapshots=10``/``30``/``100``):
 
 * ``after fwd``: bytes ``tg.vjp`` leaves alive while ``vjp_fn`` is held, beyond the
   inputs and the output, measured from ``jax.live_arrays()`` (after ``gc.collect()``);
@@ -43,6 +44,9 @@ SCHEDULES = {
     "levels=2": dict(every="sqrt", levels=2),
     "levels=3": dict(every="sqrt", levels=3),
     "log": dict(every="log"),
+    "snapshots=10": dict(snapshots=10),
+    "snapshots=30": dict(snapshots=30),
+    "snapshots=100": dict(snapshots=100),
 }
 
 
@@ -147,6 +151,8 @@ def main() -> None:
         grads[name] = lambda g=g: g(p, xs)
         levels = "/".join(map(str, c.levels)) if c else "-"
         levels = levels if len(levels) < 16 else f"{c.levels[0]}/…/{c.levels[-1]}"
+        if c and c.snapshots:
+            levels = f"revolve s={c.snapshots}"
         rows.append((name, levels, held, lb.total, peak, meas, c.recomputed if c else 0, err))
     times = interleaved(grads, rounds=args.rounds, warmup=2)
     base = times["save (every step)"]

@@ -203,8 +203,9 @@ def _plan_bodies(tape: Tape, policy: Any) -> Tape:
         return tape
     from tapegrad._loops import outer_saves
 
-    segment = getattr(policy, "loop_segment", None)
+    segment = getattr(policy, "loop_segment", None)  # an int, or a `LoopPlan`
     schedule = getattr(policy, "loop_schedule", None)  # nested: segment lengths by level
+    revolve = getattr(policy, "loop_snapshots", None)  # binomial: snapshots held
     records = []
     for rec in tape.records:
         if rec.bodies and rec.rule != "none":
@@ -212,17 +213,25 @@ def _plan_bodies(tape: Tape, policy: Any) -> Tape:
                 plan_recompute(b, policy, decide_records(b, policy, whole=False))
                 for b in rec.bodies
             )
+            snaps = int(revolve(rec)) if revolve is not None else 0
             if schedule is not None:
                 levels = tuple(schedule(rec))
+            elif segment is not None:
+                got = segment(rec)
+                levels = tuple(getattr(got, "levels", (got,)))
+                snaps = int(getattr(got, "snapshots", snaps))
             else:
-                levels = (segment(rec),) if segment is not None else ()
-            k, inner = (levels[0], levels[1:]) if levels and levels[0] else (0, ())
+                levels = ()
+            k, inner = (levels[0], levels[1:]) if levels and levels[0] and not snaps else (0, ())
             if (
                 k != rec.schedule
                 or inner != rec.inner_schedule
+                or snaps != rec.snapshots
                 or any(b is not a for a, b in zip(rec.bodies, bodies))
             ):
-                rec = dataclasses.replace(rec, bodies=bodies, schedule=k, inner_schedule=inner)
+                rec = dataclasses.replace(
+                    rec, bodies=bodies, schedule=k, inner_schedule=inner, snapshots=snaps
+                )
                 rec = dataclasses.replace(rec, saves=outer_saves(rec))
         records.append(rec)
     return dataclasses.replace(tape, records=tuple(records))

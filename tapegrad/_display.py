@@ -294,8 +294,13 @@ def loop_bytes_text(rec, b: int, per_step: bool = False) -> str:
     T = rec.trip_count
     if lb.checkpoints:
         rest = lb.total - lb.checkpoints * lb.carry
+        where = (
+            f"revolve carries ({rec.snapshots:,} snapshots)"
+            if rec.snapshots
+            else f"carries every {_levels_text(rec)}"
+        )
         return (
-            f"carries every {_levels_text(rec)}: {lb.checkpoints:,} × {lb.carry:,} B + "
+            f"{where}: {lb.checkpoints:,} × {lb.carry:,} B + "
             f"last {lb.steps:,} steps {rest:,} B = {lb.total:,} B"
         )
     if lb.shared:  # a carry saved as input is the step before's output: the first once
@@ -799,7 +804,7 @@ def _report_lines(rows, tape, depth: int, planned: bool = False) -> list[str]:
             f"{r.device_bytes:>11,} {r.host_bytes:>11,} {r.compressed_bytes:>10,}  {plan}{src}"
         ]
         if r.checkpoint_bytes:
-            every = f" every {_levels_text(rec)} steps" if rec is not None else ""
+            every = _every_text(rec)
             out.append(f"{'':>5} {pad}  carries kept{every}: {r.checkpoint_bytes:,} B")
             if rec is not None:
                 out.append(f"{'':>5} {pad}  schedule: {_schedule_text(rec)}")
@@ -921,7 +926,7 @@ def _report_rows_html(rows, tape, depth: int) -> list[str]:
                 f"{sum(x.host_bytes for x in body_rows):,})"
             )
             if r.checkpoint_bytes and b == _bodies_of(r, rec)[0][0]:
-                every = f" every {_levels_text(rec)} steps" if rec is not None else ""
+                every = _every_text(rec)
                 summary += f" · carries kept{every}: <b>{r.checkpoint_bytes:,}</b> B"
                 summary += f" ({e(_schedule_text(rec))})" if rec is not None else ""
             out += body_row(
@@ -1051,6 +1056,16 @@ def _schedule_text(rec) -> str:
     from tapegrad._loops import schedule_text
 
     return schedule_text(rec)
+
+
+def _every_text(rec) -> str:
+    """Where a scheduled scan keeps its carries: `` every 100/10 steps`` or, for a
+    binomial schedule, `` (revolve, 10 snapshots)``."""
+    if rec is None:
+        return ""
+    if rec.snapshots:
+        return f" (revolve, {rec.snapshots:,} snapshots)"
+    return f" every {_levels_text(rec)} steps"
 
 
 def _levels_text(rec) -> str:

@@ -180,6 +180,7 @@ def _compute_record_key(rec: Record, rule: Any) -> tuple:
         rec.names,
         rec.schedule,
         rec.inner_schedule,
+        rec.snapshots,
         rule if rule is not None else (FALLBACK if rec.rule == "fallback" else None),
         tuple(_tape_key(b) for b in rec.bodies) if bodies else (),
     )

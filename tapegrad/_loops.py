@@ -50,7 +50,7 @@ def outer_saves(rec: Record) -> tuple[Saved, ...]:
     """What a loop/branch record keeps itself: the inputs its bodies' residuals forward
     (kept once, not per step), and a cond's index (backward runs the branch it picks)."""
     keep: set[int] = {0} if rec.primitive == "cond" else set()
-    if rec.schedule:  # segments are recomputed from every const and scanned input
+    if rec.schedule or rec.snapshots:  # segments re-run from every const and scanned input
         nc, nk = rec.params["num_consts"], rec.params["num_carry"]
         keep.update(j for j in range(len(rec.inputs)) if j < nc or j >= nc + nk)
     for body in rec.bodies:
@@ -215,6 +215,10 @@ def _carry_pairs(rec: Record, keys) -> list[tuple[int, int, int]]:
 
 
 def _scan_forward(rec: Record, ins: list, res, observer) -> tuple[list, Any]:
+    if rec.snapshots and observer is None:
+        from tapegrad._revolve import revolve_forward
+
+        return revolve_forward(rec, ins, res)
     if rec.schedule and observer is None:
         return _segmented_forward(rec, ins, res)
     ins = _arrays(ins)  # a scheduled scan's innermost segment: its inputs' steps
@@ -284,6 +288,10 @@ def _scan_forward(rec: Record, ins: list, res, observer) -> tuple[list, Any]:
 
 def _scan_backward(rec: Record, x: list, stored: Any, gs: list, retain: bool, observer) -> list:
     if isinstance(stored, _Segmented):
+        if rec.snapshots:
+            from tapegrad._revolve import revolve_backward
+
+            return revolve_backward(rec, x, stored, gs, retain)
         return _segmented_backward(rec, x, stored, gs, retain)
     x, gs = _arrays(x), _arrays(gs)
     p = rec.params
@@ -592,6 +600,7 @@ def _part(
         params=MappingProxyType(params),
         schedule=sched[0],
         inner_schedule=sched[1],
+        snapshots=0,
         active=active,
     )
 
@@ -770,7 +779,9 @@ class ScheduleCosts:
     steps' residuals kept after forward (a remainder shorter than every level keeps its
     steps); ``peak_carries`` / ``peak_steps``: held at once at backward's peak (the kept
     ones included); ``recomputed``: forward steps backward runs again (T per level
-    at most)."""
+    at most). A revolve schedule (``snapshots``, `scan_checkpoint(snapshots=s)`) has no
+    levels: forward keeps its spine's snapshots and the last step; backward holds its
+    snapshot slots, the carry in hand and one step's residuals at a time."""
 
     levels: tuple[int, ...]
     carries: int
@@ -778,6 +789,7 @@ class ScheduleCosts:
     peak_carries: int
     peak_steps: int
     recomputed: int
+    snapshots: int = 0
 
 
 def _schedule_plan(T: int, levels: Sequence[int]):
@@ -799,6 +811,12 @@ def schedule_costs(rec: Record) -> ScheduleCosts | None:
     the point of backward holding the most bytes (`loop_bytes`' step and carry sizes)."""
     from tapegrad._tape import loop_bytes
 
+    if rec.primitive == "scan" and rec.snapshots:
+        from tapegrad._revolve import revolve_counts
+
+        kept, slots, recomputed = revolve_counts(rec)
+        held = slots + 1 if recomputed else 0  # the slots and the carry in hand
+        return ScheduleCosts((), kept, 1, held, 1, recomputed, rec.snapshots)
     levels = schedule_levels(rec)
     if rec.primitive != "scan" or not levels:
         return None

@@ -230,6 +230,9 @@ class Record:
     # A nested schedule's inner levels: the segment lengths a recomputed segment (and the
     # remainder) is itself checkpointed with, outermost first (() for one level).
     inner_schedule: tuple[int, ...] = ()
+    # Binomial checkpointing (revolve): at most `snapshots` carries held at once, the
+    # fewest forward steps re-run for that (0: not revolve; `schedule` is then 0).
+    snapshots: int = 0
 
     @property
     def trip_count(self) -> int:
@@ -480,7 +483,7 @@ class LoopBytes:
 def loop_bytes(rec: Record) -> LoopBytes:
     """`LoopBytes` of a loop/branch record (all zero for another record)."""
     step = step_residual_bytes(rec)
-    if rec.primitive != "scan" or not step and not rec.schedule:
+    if rec.primitive != "scan" or not step and not rec.schedule and not rec.snapshots:
         return LoopBytes(step)
     from tapegrad._loops import _carry_pairs
 
@@ -489,6 +492,11 @@ def loop_bytes(rec: Record) -> LoopBytes:
     kept = step_residual_vars(rec)
     shared = sum(kept[k_in] for k_in, _, _ in _carry_pairs(rec, kept))
     T = rec.trip_count
+    if rec.snapshots:  # revolve: the spine's snapshots and the last step's residuals
+        from tapegrad._revolve import revolve_counts
+
+        carry = sum(v.nbytes for v in body.inputs[nc : nc + nk])
+        return LoopBytes(step, shared, min(T, 1), revolve_counts(rec)[0], carry)
     if rec.schedule:  # carries every `schedule` steps, the remainder's residuals as usual
         n = 0  # a nested schedule checkpoints the remainder again, level by level
         for k in (rec.schedule, *rec.inner_schedule):

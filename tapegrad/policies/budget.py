@@ -212,24 +212,19 @@ class Budget:
                 return self._mechanism(mech).unpack(packed, info)
         return self.base.unpack(packed, info)
 
-    def loop_segment(self, rec: Record) -> int:
-        """A checkpoint schedule for a scan whose per-step residuals, over all its steps,
-        do not fit the budget: keep the carry every k steps, k = √(T·carry/step), which
-        minimises the (T/k)·carry + k·step bytes held, for one extra forward of the loop.
+    def loop_segment(self, rec: Record) -> Any:
+        """A checkpoint schedule (`policies.loops.LoopPlan`) for a scan whose per-step
+        residuals, over all its steps, do not fit the budget: among keep-every-step,
+        one level every k steps, nested levels, the halving schedule and binomial
+        (revolve) schedules, the one re-running the fewest forward steps whose predicted
+        backward peak fits (`choose_loop_schedule`, by `_loops.schedule_costs`).
         (Loops are scheduled on their own: the tape plan does not yet trade a loop's
         bytes against the records around it.)"""
-        from tapegrad._tape import step_residual_bytes
+        from tapegrad.policies.loops import LoopPlan, choose_loop_schedule
 
-        T = rec.trip_count
-        if rec.primitive != "scan" or T < 4:
-            return 0
-        step = step_residual_bytes(rec)
-        if step * T <= self.bytes or step == 0:
-            return 0
-        nc, nk = rec.params["num_consts"], rec.params["num_carry"]
-        carry = sum(v.nbytes for v in rec.bodies[0].inputs[nc : nc + nk]) or 1
-        k = max(1, round(math.sqrt(T * carry / step)))
-        return k if k < T else 0
+        if rec.primitive != "scan" or rec.trip_count < 4:
+            return LoopPlan()
+        return choose_loop_schedule(rec, self.bytes)
 
     def plan(self, tape: Tape, fixed: Sequence[str | None]) -> list[str]:
         """Decisions for every record; ``fixed[i]`` is a binding decision or None.
