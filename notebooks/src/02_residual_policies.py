@@ -11,6 +11,8 @@
 
 # %%
 import collections
+import json
+import pathlib
 import re
 
 import chex
@@ -269,3 +271,57 @@ hlo = jit_grad.lower(params, x).as_text()
 n_i8 = len(re.findall(r"tensor<[0-9x]*xi8>", hlo))
 print(f"the jitted program mentions int8 tensors {n_i8} times")
 assert n_i8 > 0
+
+# %% [markdown]
+# ## Fewer bits, same accuracy? Training on real data
+#
+# `bench/accuracy_study.py` trains an MLP and a small CNN on scikit-learn's `load_digits`
+# (1,797 8x8 images) with optax Adam under each policy, 3 seeds, and writes the activation
+# bytes held (from `tg.memory_report`), the test accuracy and every loss curve to
+# `bench/accuracy_study.json`. Low-bit `compress(bits=...)` rounds stochastically with a
+# fresh key each step. The plot reads that file (re-run the script to refresh it).
+
+# %%
+root = pathlib.Path.cwd()
+while not (root / "bench").is_dir() and root != root.parent:
+    root = root.parent
+study = json.loads((root / "bench" / "accuracy_study.json").read_text())
+runs = study["runs"]
+order = ["save", "bf16", "int8", "4-bit", "2-bit"]
+fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+for model, ax, cax in zip(["mlp", "cnn"], axes[0], axes[1]):
+    for policy in order:
+        curves = [r["curve"] for r in runs if r["model"] == model and r["policy"] == policy]
+        steps = 10 * np.arange(len(curves[0]))
+        cax.plot(steps, np.mean(curves, 0), label=policy)
+    cax.set(yscale="log", xlabel="Adam step", ylabel="training loss (mean of seeds)")
+    cax.legend()
+    for policy in order:
+        rs = [r for r in runs if r["model"] == model and r["policy"] == policy]
+        accs = [100 * r["test_accuracy"] for r in rs]
+        ax.errorbar(
+            rs[0]["held_bytes"] / 1024,
+            np.mean(accs),
+            yerr=np.std(accs),
+            fmt="o",
+            capsize=3,
+            label=policy,
+        )
+        # every seed of a policy holds the same bytes: the sizes depend on shapes only
+        assert len({r["held_bytes"] for r in rs}) == 1
+    ax.set_xscale("log")
+    ax.set(
+        title=f"{model}: {study['args']['steps']} Adam steps, mean ± sd of "
+        f"{study['args']['seeds']} seeds",
+        xlabel="activation KiB held for backward",
+        ylabel="test accuracy (%)",
+    )
+    ax.legend()
+    held = {
+        p: next(r["held_bytes"] for r in runs if r["model"] == model and r["policy"] == p)
+        for p in order
+    }
+    # fewer bits, fewer bytes, in this order
+    assert [held[p] for p in order] == sorted(held.values(), reverse=True), held
+plt.tight_layout()
+plt.show()
