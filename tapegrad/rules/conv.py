@@ -257,6 +257,33 @@ def _choice(x, y, init, p):
     return choice
 
 
+def _selected(x, p, select):
+    """Per output, the row-major index of the window element XLA's select-and-scatter
+    (jax's max/min-pool backward) picks: the first element, replaced by each later one
+    for which ``select(picked, element)`` fails (``ge`` for max, ``le`` for min). Without
+    NaN that is the first extremum; with NaN it is still jax's pick. Padding and base
+    dilation holes hold the identity (-inf for max) and can be picked, as in XLA; their
+    cotangent is dropped."""
+    full, out, offsets = _geometry(x.shape, p)
+    dt = _choice_dtype(p)
+    if 0 in out:
+        return jnp.full(out, len(offsets), dt)
+    ident = np.array(-np.inf if select is lax.ge else np.inf, x.dtype)
+    cfg = [(lo, hi, b - 1) for (lo, hi), b in zip(p["padding"], p["base_dilation"])]
+    xp = lax.pad(x, ident, cfg)
+    picked = choice = None
+    for k, off in enumerate(offsets):
+        start = _window_start(off, p)
+        part = lax.slice(xp, start, _window_limit(start, out, p), p["window_strides"])
+        if picked is None:
+            picked, choice = part, jnp.zeros(out, dt)
+            continue
+        take = lax.bitwise_not(select(picked, part))
+        picked = lax.select(take, part, picked)
+        choice = lax.select(take, jnp.full(out, k, dt), choice)
+    return choice
+
+
 def _chosen_ct(g, choice, in_shape, p):
     full, out, offsets = _geometry(in_shape, p)
     zero = np.array(0, g.dtype)
@@ -275,12 +302,12 @@ def _chosen_ct(g, choice, in_shape, p):
     return lax.slice(ct, (0,) * ct.ndim, ct.shape, p["base_dilation"])
 
 
-def _chooser_rule(name, identity):
-    # ``identity`` is the value jax pads the operand with (-inf for max, inf for min).
+def _chooser_rule(name, select):
     def derive(rec, ins):
-        x = ins[0]
         y = rec.prim.bind(*ins, **rec.bind_params)
-        return [y], [_choice(x, y, identity, rec.params)]
+        if not rec.saves:
+            return [y], [None]
+        return [y], [_selected(ins[0], rec.params, select)]
 
     def avals(p, in_avals, out_avals, active):
         return [jax.ShapeDtypeStruct(out_avals[0].shape, _choice_dtype(p))]
@@ -293,8 +320,8 @@ def _chooser_rule(name, identity):
     )
 
 
-_chooser_rule("reduce_window_max", -np.inf)
-_chooser_rule("reduce_window_min", np.inf)
+_chooser_rule("reduce_window_max", lax.ge)
+_chooser_rule("reduce_window_min", lax.le)
 
 
 # ---------------------------------------------------------------------------
