@@ -8,9 +8,10 @@
   (interior padding undoes the strides) and window-summed again.
 * ``reduce_window_max`` / ``reduce_window_min`` (max/min pooling): saves, per
   output, which window element was chosen, as a small integer derived in
-  forward (int8 for windows of up to 127 elements), instead of the input and
-  the output. Ties go to the first element in row-major window order, as
-  XLA's select-and-scatter (and so jax) does. Backward scatters the
+  forward, bit-packed for windows of up to 16 elements (2 bits for 2x2, 4 for
+  3x3; int8 up to 127 elements), instead of the input and the output. The
+  element is the one XLA's select-and-scatter (and so jax) picks: the first
+  extremum in row-major window order, and jax's pick with NaN too. Backward scatters the
   cotangent with one strided pad per window element.
 * ``reduce_window`` (the generic primitive, e.g. ``lax.reduce_window(x, 0.,
   lax.max, ...)`` whose init value is not the identity): one operand whose
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from tapegrad.rules._bits import codes_aval, pack_codes, unpack_codes
 from tapegrad.rules._registry import Rule, defrule, defvjp
 from tapegrad.rules.control import FALLBACK
 
@@ -303,21 +305,28 @@ def _chosen_ct(g, choice, in_shape, p):
 
 
 def _chooser_rule(name, select):
+    # The chosen element's index, 0..K-1 for a window of K elements, is kept in
+    # ceil(log2 K) bits rounded up to 1, 2 or 4 (rules/_bits.py): 2 bits per output
+    # of a 2x2 pool, half a bit per input element.
+    def window(p):
+        return math.prod(p["window_dimensions"])
+
     def derive(rec, ins):
         y = rec.prim.bind(*ins, **rec.bind_params)
         if not rec.saves:
             return [y], [None]
-        return [y], [_selected(ins[0], rec.params, select)]
+        return [y], [pack_codes(_selected(ins[0], rec.params, select), window(rec.params))]
 
     def avals(p, in_avals, out_avals, active):
-        return [jax.ShapeDtypeStruct(out_avals[0].shape, _choice_dtype(p))]
+        o = out_avals[0]
+        return [codes_aval(o.shape, window(p), _choice_dtype(p), getattr(o, "sharding", None))]
 
-    defvjp(
-        name,
-        ("a0", lambda g, r, p: _chosen_ct(g, r.aux[0], r.in_avals[0].shape, p)),
-        derive=derive,
-        aux_avals=avals,
-    )
+    def ct(g, r, p):
+        shape = r.out_avals[0].shape
+        choice = unpack_codes(r.aux[0], shape, window(p), _choice_dtype(p))
+        return _chosen_ct(g, choice, r.in_avals[0].shape, p)
+
+    defvjp(name, ("a0", ct), derive=derive, aux_avals=avals)
 
 
 _chooser_rule("reduce_window_max", lax.ge)

@@ -243,18 +243,42 @@ def test_integer_operands_keep_nothing():
     assert not [s for s in saves if s[0] in ("max", "reduce_max")]
 
 
-def test_max_pool_gradient_and_residual():
-    x = _special((2, 8, 8, 3))
-    x = x.at[:, ::2, ::2, :].set(x[:, 1::2, 1::2, :])  # ties inside windows
+@pytest.mark.parametrize("op", [lax.max, lax.min], ids=["max", "min"])
+def test_max_pool_keeps_packed_window_indices(op):
+    x = _special((2, 8, 8, 16))  # NaN, +-inf, ties inside windows
+    x = x.at[:, ::2, ::2, :].set(x[:, 1::2, 1::2, :])
+    init = -jnp.inf if op is lax.max else jnp.inf
 
-    def pool(x):
-        return lax.reduce_window(x, -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+    def pool(x, window=(1, 2, 2, 1), pad="VALID"):
+        return lax.reduce_window(x, init, op, window, window, pad)
 
     f = lambda x: jnp.sum(pool(x) * 3.0)  # noqa: E731
     _check_vjp(f, x, jit=True)
     _, saves = _saves(f, x)
-    # which element of each 2x2 window won: one int8 per output (2 bits per input element)
-    assert saves == [("reduce_window_max", None, "aux", (2, 4, 4, 3), "int8")]
+    # which element of each 2x2 window won: 2 bits per output, 4 to a byte
+    name = f"reduce_window_{op.__name__}"
+    assert saves == [(name, None, "aux", (2, 4, 4, 4), "uint8")]
+    assert _held(f, x) == 2 * 4 * 4 * 4  # 64x fewer than the float32 input jax keeps
+    # 3x3 windows with padding: 4 bits per output
+    g = lambda x: jnp.sum(pool(x, (1, 3, 3, 1), ((0, 0), (1, 1), (1, 1), (0, 0))) ** 2)  # noqa: E731
+    _check_vjp(g, jnp.nan_to_num(x), jit=True)
+    _, saves = _saves(g, x)
+    assert saves[0] == (name, None, "aux", (2, 3, 3, 8), "uint8")  # then ** 2 keeps its input
+
+
+@pytest.mark.parametrize("n_values", [2, 3, 4, 9, 16, 17])
+def test_code_packing_round_trip(n_values):
+    shape = (3, 5, 40)
+    codes = np.random.RandomState(n_values).randint(0, n_values, shape).astype(np.int8)
+    kept = _bits.pack_codes(jnp.asarray(codes), n_values)
+    aval = _bits.codes_aval(shape, n_values, np.int8)
+    assert (kept.shape, kept.dtype) == (aval.shape, aval.dtype)
+    bits = _bits.code_bits(n_values)
+    assert kept.dtype == (np.int8 if bits == 8 else np.uint8)
+    assert kept.shape[-1] == -(-40 * bits // 8)
+    back = _bits.unpack_codes(kept, shape, n_values, np.int8)
+    assert back.dtype == np.int8
+    np.testing.assert_array_equal(np.asarray(back), codes)
 
 
 # ---------------------------------------------------------------------------
