@@ -70,9 +70,13 @@ defvjp("div", ("x1", lambda g, r, p: g / r.x[1]), ("y0 x1", lambda g, r, p: -g *
 # rule). Two bit-packed masks say all of it: x == ans and y == ans (both False at a NaN).
 
 
+def _derives(rec) -> bool:
+    return any(s.kind == "aux" for s in rec.saves)
+
+
 def _tie_masks(rec, ins):
     (ans,) = _bind(rec, ins)
-    if not rec.saves:
+    if not _derives(rec):
         return [ans], [None, None]
     x, y = ins
     return [ans], [pack_mask(jnp.equal(x, ans)), pack_mask(jnp.equal(y, ans))]
@@ -90,17 +94,33 @@ def _share(mine, other, g):
     return jnp.where(mine, jnp.where(other, 0.5, 1.0), 0.0).astype(g.dtype)
 
 
-def _tie_ct(i):
+def _tie_ct(i, op):
     def ct(g, r, p):
         shape = r.out_avals[0].shape
-        a, b = unpack_mask(r.aux[0], shape), unpack_mask(r.aux[1], shape)
+        if r.aux and r.aux[0] is not None:
+            a, b = unpack_mask(r.aux[0], shape), unpack_mask(r.aux[1], shape)
+        else:  # the operands are kept anyway (`share_operands`)
+            x, y = r.x
+            ans = op(x, y)
+            a, b = jnp.equal(x, ans), jnp.equal(y, ans)
         return g * (_share(a, b, g) if i == 0 else _share(b, a, g))
 
     return ("a0 a1", ct)
 
 
-for _name in ("max", "min"):
-    defvjp(_name, _tie_ct(0), _tie_ct(1), derive=_tie_masks, aux_avals=_out_masks(2))
+def _operands(*idx):
+    return lambda p, in_avals, out_avals, active: tuple(("in", i) for i in idx)
+
+
+for _name, _op in (("max", jnp.maximum), ("min", jnp.minimum)):
+    defvjp(
+        _name,
+        _tie_ct(0, _op),
+        _tie_ct(1, _op),
+        derive=_tie_masks,
+        aux_avals=_out_masks(2),
+        plain=_operands(0, 1),
+    )
 
 
 def _pow_dx(g, r, p):
@@ -224,7 +244,12 @@ def _clamp_derive(rec, ins):
 
 def _clamp_ct(k):
     def ct(g, r, p):
-        return jnp.where(unpack_mask(r.aux[k], r.out_avals[0].shape), g, jnp.zeros((), g.dtype))
+        shape = r.out_avals[0].shape
+        if k < len(r.aux) and r.aux[k] is not None:
+            mask = unpack_mask(r.aux[k], shape)
+        else:  # the operands are kept anyway (`share_operands`)
+            mask = jnp.broadcast_to(_CLAMP_MASKS[k](*r.x), shape)
+        return jnp.where(mask, g, jnp.zeros((), g.dtype))
 
     return (f"a{k}", ct)
 
@@ -236,6 +261,7 @@ defvjp(
     _clamp_ct(2),
     derive=_clamp_derive,
     aux_avals=_out_masks(3),
+    plain=_operands(0, 1, 2),
 )
 
 
@@ -296,6 +322,7 @@ defrule(
         _select_vjp,
         derive=_select_derive,
         aux_avals=_select_avals,
+        plain=_operands(0),
     )
 )
 

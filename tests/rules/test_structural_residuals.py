@@ -69,6 +69,12 @@ def _check_vjp(f, *args, jit=False, compiled_oracle=False):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
+def _inner(x):
+    """``x`` again (-(-x), bit for bit), but not an input: an input is kept as it is
+    (`test_operands_kept_anyway_are_kept_instead_of_masks`)."""
+    return lax.neg(lax.neg(x))
+
+
 def _held(f, *args, policy=None):
     """Bytes `tg.vjp`'s forward leaves alive beyond the inputs and the output."""
     before = live_bytes_by_kind()
@@ -169,7 +175,7 @@ def test_where_with_a_literal_or_integer_selector():
 
 def test_clamp_keeps_one_mask_per_active_operand():
     x = _special()
-    f = lambda x: jnp.sum(lax.clamp(-0.5, x, 0.5) * 3.0)  # noqa: E731  (ties at 0.5)
+    f = lambda x: jnp.sum(lax.clamp(-0.5, _inner(x), 0.5) * 3.0)  # noqa: E731  (ties at 0.5)
     _check_vjp(f, x, jit=True)
     _, saves = _saves(f, x)
     assert saves == [("clamp", None, "aux", (ROWS, 5), "uint8")]
@@ -178,7 +184,7 @@ def test_clamp_keeps_one_mask_per_active_operand():
     _check_vjp(lambda x: jnp.sum(jnp.clip(x, -0.5, 0.5) * 3.0), x, jit=True)
     # array bounds, every operand differentiated; lo > hi in places; ties everywhere
     lo, hi = _finite(seed=4) - 0.5, _finite(seed=5) + 0.5
-    g = lambda lo, x, hi: jnp.sum(lax.clamp(lo, x, hi) ** 2)  # noqa: E731
+    g = lambda lo, x, hi: jnp.sum(lax.clamp(_inner(lo), _inner(x), _inner(hi)) ** 2)  # noqa: E731
     _check_vjp(g, lo, x, hi, jit=True)
     _check_vjp(g, lo, lo, hi)  # x == lo everywhere
     _check_vjp(g, hi, x, lo)  # lo > hi
@@ -190,7 +196,7 @@ def test_clamp_keeps_one_mask_per_active_operand():
 def test_binary_max_min_split_ties_like_jax(op):
     x, y = _special(), _finite()
     y = jnp.where(jnp.arange(COLS) % 3 == 0, x, y)  # exact ties, NaN against NaN too
-    f = lambda x, y: jnp.sum(op(x, y) * 3.0)  # noqa: E731
+    f = lambda x, y: jnp.sum(op(_inner(x), _inner(y)) * 3.0)  # noqa: E731
     _check_vjp(f, x, y, jit=True)
     _check_vjp(lambda x: jnp.sum(op(x, 0.0) * 3.0), x, jit=True)  # relu spelled maximum
     _check_vjp(lambda x: jnp.sum(op(x, x) * 3.0), x)  # all tied: 1/2 + 1/2
@@ -215,6 +221,36 @@ def test_reduce_max_min_keep_a_packed_tie_mask(op):
     _, saves = _saves(f, x)
     assert saves == [(f"reduce_{op.__name__}", None, "aux", (ROWS, 5), "uint8")]
     assert _held(f, x) == PACKED
+
+
+def _max_sin(h):
+    return jnp.sum(jnp.maximum(h, 0.3) * jnp.sin(h))
+
+
+def test_operands_kept_anyway_are_kept_instead_of_masks():
+    """A mask costs a bit per element; an operand the caller holds (an input) or another
+    record saves costs nothing: then the record keeps the operand (before masks, it did)."""
+    x, y = _special(), _finite()
+    m = _finite(seed=9) > 0
+    cases = {
+        "max": (lambda x, y: jnp.sum(jnp.maximum(x, y) * 3.0), (x, y)),
+        "select_n": (lambda x, y: jnp.sum(jnp.where(m, x, y) * 3.0), (x, y)),
+        "clamp": (lambda x, y: jnp.sum(lax.clamp(-0.5, x, 0.5) * 3.0), (x, y)),
+        # sin keeps h: max keeps its operand h instead of two masks
+        "max(h, 0.3)": (lambda x, y: _max_sin(_inner(x)), (x, y)),
+    }
+    for name, (f, args) in cases.items():
+        _check_vjp(f, *args, jit=True)
+        tape, saves = _saves(f, *args, argnums=(0, 1))
+        prim = name.split("(")[0]
+        kept = [s[2:] for s in saves if s[0] == prim]
+        assert kept and all(k == "in" for k, *_ in kept), (name, kept)
+        # max(h, 0.3): h (for sin and max), and mul's operands max(h, 0.3) and sin(h)
+        assert _held(f, *args) == (0 if name != "max(h, 0.3)" else 3 * x.nbytes), name
+    # an operand nobody else keeps: masks (2 bits) rather than the float (32)
+    f = lambda x: jnp.sum(jnp.maximum(jnp.sin(x), x) * 3.0)  # noqa: E731
+    _check_vjp(f, x)
+    assert _held(f, x) == 2 * PACKED
 
 
 def test_float64_at_1e_10():
