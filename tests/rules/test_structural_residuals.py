@@ -335,7 +335,7 @@ def _mlp_args(depth=3, width=64, batch=16):
 
 
 def test_vmap_and_grad_of_grad():
-    ws, x = _mlp_args()
+    ws, x = _mlp_args(depth=2, width=32)  # 16x32 masks: packed
     xs = jnp.stack([x, -x, x * 2])
     got = jax.vmap(tg.grad(_relu_mlp), in_axes=(None, 0))(ws, xs)
     want = jax.vmap(jax.grad(_relu_mlp), in_axes=(None, 0))(ws, xs)
