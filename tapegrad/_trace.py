@@ -31,6 +31,7 @@ from tapegrad._record import is_concrete, record_jaxpr
 from tapegrad._tape import Lit, Record, Region, Saved, Tape, Var, as_dtype
 from tapegrad.errors import ReverseModeError
 from tapegrad.rules import FALLBACK, NONDIFF, WHILE_ERROR, lookup
+from tapegrad.rules._registry import share_operands
 from tapegrad.rules.custom_jvp import ClosesOverTracer, expand_custom_jvp, share_outputs
 
 __all__ = ["trace_flat", "is_differentiable_dtype"]
@@ -249,7 +250,7 @@ def trace_flat(
         tape, old_lits = cached
         return _with_values(tape, closed.consts, old_lits, lits)
     try:
-        tape, top_lits = _build(closed, active_inputs, diff, in_tree, out_tree)
+        tape, top_lits = _build(closed, active_inputs, diff, in_tree, out_tree, top=True)
     except ClosesOverTracer as e:
         if recorded or not is_concrete(flat_args):
             raise ReverseModeError(_closure_message(e)) from None
@@ -438,8 +439,12 @@ def tape_from_jaxpr(
     return _build(closed, active_inputs, diff_outputs, in_tree, out_tree)[0]
 
 
-def _build(closed, active_inputs, diff_outputs, in_tree, out_tree) -> tuple[Tape, list[Lit]]:
-    """`tape_from_jaxpr`, and the top-level literals of the tape in reading order."""
+def _build(
+    closed, active_inputs, diff_outputs, in_tree, out_tree, top: bool = False
+) -> tuple[Tape, list[Lit]]:
+    """`tape_from_jaxpr`, and the top-level literals of the tape in reading order.
+    ``top``: the function's own tape, whose inputs the caller holds (a loop body's are
+    per-step values)."""
     b = _Builder()
     in_vars = [b.new_var(v.aval) for v in closed.jaxpr.invars]
     outs = b.convert(closed.jaxpr, closed.consts, in_vars, top=True)
@@ -556,9 +561,10 @@ def _build(closed, active_inputs, diff_outputs, in_tree, out_tree) -> tuple[Tape
             )
         )
 
+    free = frozenset(v.id for v in in_vars) | {c.id for c, _ in b.consts} if top else frozenset()
     tape = Tape(
         inputs=tuple(in_vars),
-        records=tuple(_share_outputs(records)),
+        records=tuple(_share_outputs(records, free)),
         outputs=tuple(outs),
         consts=tuple(b.consts),
         active_inputs=tuple(bool(a) for a in active_inputs),
@@ -569,10 +575,12 @@ def _build(closed, active_inputs, diff_outputs, in_tree, out_tree) -> tuple[Tape
     return tape, b.top_lits
 
 
-def _share_outputs(records: list[Record]) -> list[Record]:
+def _share_outputs(records: list[Record], free: frozenset[int] = frozenset()) -> list[Record]:
     """Let each custom_jvp record read a residual off an output that another record
-    saves anyway (relu's mask off relu's output, which the next matmul keeps)."""
-    if not any(r.primitive == "custom_jvp_rule" and r.saves for r in records):
+    saves anyway (relu's mask off relu's output, which the next matmul keeps), and a
+    record that keeps packed masks keep its operands instead when those are kept anyway
+    (in ``free``, the top-level inputs and constants, or saved by another record)."""
+    if not any(r.saves and r.rule == "rule" or r.primitive == "custom_jvp_rule" for r in records):
         return records
     holders: dict[int, set[int]] = {}
     for r in records:
@@ -587,6 +595,11 @@ def _share_outputs(records: list[Record]) -> list[Record]:
         if r.primitive == "custom_jvp_rule" and r.saves:
             elsewhere = {o.id for o in r.outputs if holders.get(o.id, set()) - {r.index}}
             r = share_outputs(r, elsewhere) if elsewhere else r
+        elif r.rule == "rule" and r.saves:
+            kept = {
+                i.id for i in r.inputs if type(i) is Var and holders.get(i.id, set()) - {r.index}
+            }
+            r = share_operands(r, free | kept)
         out.append(r)
     return out
 

@@ -12,9 +12,13 @@ makes ``jax.jit(tg.grad(f))`` and ``tg.grad(tg.grad(f))`` work.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
+
+from tapegrad._tape import Saved, Var
 
 __all__ = [
     "Rule",
@@ -26,6 +30,7 @@ __all__ = [
     "defrule",
     "defnondiff",
     "lookup",
+    "share_operands",
 ]
 
 Ref = tuple[str, int]
@@ -71,6 +76,10 @@ class Rule:
     derive: Callable[..., tuple[Sequence[Any], Any]] | None = None
     aux_avals: Callable[..., Sequence[tuple]] | None = None
     kind: str = "rule"
+    # plain(params, in_avals, out_avals, active) -> refs to operands the rule can read
+    # instead of its derived values (max's masks from x and y), used when those operands
+    # are kept anyway (`share_operands`); vjp then finds those derived values None.
+    plain: Callable[..., tuple[Ref, ...]] | None = None
 
 
 RULES: dict[str, Rule] = {}
@@ -98,6 +107,7 @@ def defvjp(
     single_out: bool = True,
     derive=None,
     aux_avals=None,
+    plain=None,
 ) -> Rule:
     """Register per-input cotangent functions, HIPS-autograd style.
 
@@ -127,7 +137,7 @@ def defvjp(
             out.append(fn(g, r, p) if (a and fn is not None) else None)
         return out
 
-    return defrule(Rule(name, saves, vjp, derive, aux_avals))
+    return defrule(Rule(name, saves, vjp, derive, aux_avals, plain=plain))
 
 
 def deflinear(name: str, *per_input: Callable | None) -> Rule:
@@ -140,3 +150,26 @@ def deflinear(name: str, *per_input: Callable | None) -> Rule:
 
 def zero_saves(*_):
     return ()
+
+
+def share_operands(rec, free: AbstractSet[int]):
+    """``rec`` keeping its operands instead of values derived from them (bit-packed
+    masks) when every such operand is kept anyway: a literal, a value in ``free`` (the
+    function's inputs, which the caller holds, or a value another record saves). Packed
+    masks cost a bit per element; operands kept anyway cost nothing. Returns the record
+    unchanged otherwise."""
+    rule = RULES.get(rec.primitive)
+    if rule is None or rule.plain is None or not any(s.kind == "aux" for s in rec.saves):
+        return rec
+    refs = rule.plain(rec.params, rec.inputs, rec.outputs, rec.active)
+    if any(kind != "in" for kind, _ in refs):
+        return rec
+    kept = [rec.inputs[i] for _, i in refs]
+    if any(isinstance(v, Var) and v.id not in free for v in kept):
+        return rec
+    saves = tuple(
+        Saved("in", i, tuple(v.shape), v.dtype)
+        for (_, i), v in zip(refs, kept)
+        if isinstance(v, Var)  # a literal lives in the program
+    )
+    return dataclasses.replace(rec, saves=saves)

@@ -8,9 +8,10 @@
   (interior padding undoes the strides) and window-summed again.
 * ``reduce_window_max`` / ``reduce_window_min`` (max/min pooling): saves, per
   output, which window element was chosen, as a small integer derived in
-  forward (int8 for windows of up to 127 elements), instead of the input and
-  the output. Ties go to the first element in row-major window order, as
-  XLA's select-and-scatter (and so jax) does. Backward scatters the
+  forward, bit-packed for windows of up to 16 elements (2 bits for 2x2, 4 for
+  3x3; int8 up to 127 elements), instead of the input and the output. The
+  element is the one XLA's select-and-scatter (and so jax) picks: the first
+  extremum in row-major window order, and jax's pick with NaN too. Backward scatters the
   cotangent with one strided pad per window element.
 * ``reduce_window`` (the generic primitive, e.g. ``lax.reduce_window(x, 0.,
   lax.max, ...)`` whose init value is not the identity): one operand whose
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from tapegrad.rules._bits import codes_aval, pack_codes, unpack_codes
 from tapegrad.rules._registry import Rule, defrule, defvjp
 from tapegrad.rules.control import FALLBACK
 
@@ -257,6 +259,33 @@ def _choice(x, y, init, p):
     return choice
 
 
+def _selected(x, p, select):
+    """Per output, the row-major index of the window element XLA's select-and-scatter
+    (jax's max/min-pool backward) picks: the first element, replaced by each later one
+    for which ``select(picked, element)`` fails (``ge`` for max, ``le`` for min). Without
+    NaN that is the first extremum; with NaN it is still jax's pick. Padding and base
+    dilation holes hold the identity (-inf for max) and can be picked, as in XLA; their
+    cotangent is dropped."""
+    full, out, offsets = _geometry(x.shape, p)
+    dt = _choice_dtype(p)
+    if 0 in out:
+        return jnp.full(out, len(offsets), dt)
+    ident = np.array(-np.inf if select is lax.ge else np.inf, x.dtype)
+    cfg = [(lo, hi, b - 1) for (lo, hi), b in zip(p["padding"], p["base_dilation"])]
+    xp = lax.pad(x, ident, cfg)
+    picked = choice = None
+    for k, off in enumerate(offsets):
+        start = _window_start(off, p)
+        part = lax.slice(xp, start, _window_limit(start, out, p), p["window_strides"])
+        if picked is None:
+            picked, choice = part, jnp.zeros(out, dt)
+            continue
+        take = lax.bitwise_not(select(picked, part))
+        picked = lax.select(take, part, picked)
+        choice = lax.select(take, jnp.full(out, k, dt), choice)
+    return choice
+
+
 def _chosen_ct(g, choice, in_shape, p):
     full, out, offsets = _geometry(in_shape, p)
     zero = np.array(0, g.dtype)
@@ -275,26 +304,33 @@ def _chosen_ct(g, choice, in_shape, p):
     return lax.slice(ct, (0,) * ct.ndim, ct.shape, p["base_dilation"])
 
 
-def _chooser_rule(name, identity):
-    # ``identity`` is the value jax pads the operand with (-inf for max, inf for min).
+def _chooser_rule(name, select):
+    # The chosen element's index, 0..K-1 for a window of K elements, is kept in
+    # ceil(log2 K) bits rounded up to 1, 2 or 4 (rules/_bits.py): 2 bits per output
+    # of a 2x2 pool, half a bit per input element.
+    def window(p):
+        return math.prod(p["window_dimensions"])
+
     def derive(rec, ins):
-        x = ins[0]
         y = rec.prim.bind(*ins, **rec.bind_params)
-        return [y], [_choice(x, y, identity, rec.params)]
+        if not rec.saves:
+            return [y], [None]
+        return [y], [pack_codes(_selected(ins[0], rec.params, select), window(rec.params))]
 
     def avals(p, in_avals, out_avals, active):
-        return [jax.ShapeDtypeStruct(out_avals[0].shape, _choice_dtype(p))]
+        o = out_avals[0]
+        return [codes_aval(o.shape, window(p), _choice_dtype(p), getattr(o, "sharding", None))]
 
-    defvjp(
-        name,
-        ("a0", lambda g, r, p: _chosen_ct(g, r.aux[0], r.in_avals[0].shape, p)),
-        derive=derive,
-        aux_avals=avals,
-    )
+    def ct(g, r, p):
+        shape = r.out_avals[0].shape
+        choice = unpack_codes(r.aux[0], shape, window(p), _choice_dtype(p))
+        return _chosen_ct(g, choice, r.in_avals[0].shape, p)
+
+    defvjp(name, ("a0", ct), derive=derive, aux_avals=avals)
 
 
-_chooser_rule("reduce_window_max", -np.inf)
-_chooser_rule("reduce_window_min", np.inf)
+_chooser_rule("reduce_window_max", lax.ge)
+_chooser_rule("reduce_window_min", lax.le)
 
 
 # ---------------------------------------------------------------------------

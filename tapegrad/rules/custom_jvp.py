@@ -15,10 +15,11 @@ the derivative. tapegrad does the same once, at trace time:
   and keeps its residuals, and whose backward runs the transposed jaxpr.
 
 Residuals are exactly what the linear part reads: ``jax.nn.relu`` keeps a bool mask
-(``x > 0``), not ``x``. A residual that is one of the call's inputs or outputs is
-saved as that input/output (``in``/``out``), shared with every other record that
-saves the same value; the others are derived values (``aux``). A residual that does
-not depend on the inputs (``relu``'s zeros) is recomputed in backward, not kept.
+(``x > 0``), not ``x``, bit-packed (rules/_bits.py: 1 bit per element). A residual
+that is one of the call's inputs or outputs is saved as that input/output
+(``in``/``out``), shared with every other record that saves the same value; the
+others are derived values (``aux``). A residual that does not depend on the inputs
+(``relu``'s zeros) is recomputed in backward, not kept.
 All of them go through the residual policy like any other.
 
 The record's forward evaluates the primal part with ordinary jax operations, so an
@@ -45,6 +46,7 @@ import numpy as np
 
 from tapegrad import _jax_compat as compat
 from tapegrad._caches import BoundedCache, array_bytes
+from tapegrad.rules._bits import mask_aval, pack_mask, unpack_mask
 from tapegrad.rules._registry import Rule, defrule
 
 __all__ = ["ClosesOverTracer", "expand_custom_jvp", "custom_jvp_rule_p", "share_outputs"]
@@ -486,10 +488,16 @@ def _saves(p, ins, outs, active) -> tuple[Ref, ...]:
     return tuple(dict.fromkeys(exp.refs[k] for k in res))
 
 
+def _is_mask(aval) -> bool:
+    return np.dtype(aval.dtype) == np.bool_
+
+
 def _aux_avals(p, ins, outs, active) -> list:
+    # A derived mask (relu's ``x > 0``) is kept bit-packed (rules/_bits.py).
     exp: Expansion = p["rule"]
     n_out = len(outs)
-    return [v.aval for v in exp.primal.jaxpr.outvars[n_out:]]
+    avals = [v.aval for v in exp.primal.jaxpr.outvars[n_out:]]
+    return [mask_aval(a.shape, getattr(a, "sharding", None)) if _is_mask(a) else a for a in avals]
 
 
 def _derive(rec, ins):
@@ -502,7 +510,12 @@ def _derive(rec, ins):
         for v, o in zip(vals, exp.primal.jaxpr.outvars)
     ]
     n_out = len(rec.outputs)
-    return vals[:n_out], vals[n_out:]
+    kept = {s.index for s in rec.saves if s.kind == "aux"}
+    aux = [
+        (pack_mask(v) if _is_mask(o.aval) else v) if k in kept else None
+        for k, (v, o) in enumerate(zip(vals[n_out:], exp.primal.jaxpr.outvars[n_out:]))
+    ]
+    return vals[:n_out], aux
 
 
 def _vjp(p, r, cts, active):
@@ -539,7 +552,8 @@ def _residual(r, exp: Expansion, ref: Ref, shared: dict[int, int]):
         j, compare, lit = exp.from_output[i]
         y = r.y[j]
         return compare.bind(y, jnp.asarray(lit, y.dtype))
-    return r.aux[i]
+    aval = exp.primal.jaxpr.outvars[len(r.out_avals) + i].aval
+    return unpack_mask(r.aux[i], aval.shape) if _is_mask(aval) else r.aux[i]
 
 
 defrule(

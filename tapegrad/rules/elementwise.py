@@ -3,7 +3,9 @@
 Rules save the least that backward needs: exp, tanh, logistic, sqrt, rsqrt,
 cbrt, tan and erf_inv save their *output* (the derivative is cheapest from
 it, and the output is usually saved by the next record anyway); add, sub,
-neg save nothing; mul saves only the operand the other side needs.
+neg save nothing; mul saves only the operand the other side needs. Rules whose
+derivative is a comparison (max, min, clamp, select_n's bool predicate) keep
+bit-packed masks (rules/_bits.py), 1 bit per element, not their float operands.
 """
 
 from __future__ import annotations
@@ -11,9 +13,18 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from tapegrad.rules._registry import deflinear, defnondiff, defvjp
+from tapegrad._tape import Var
+from tapegrad.rules._bits import mask_aval, pack_mask, packs, unpack_mask
+from tapegrad.rules._registry import Rule, deflinear, defnondiff, defrule, defvjp
+
+
+def _bind(rec, ins):
+    out = rec.prim.bind(*ins, **rec.bind_params)
+    return list(out) if rec.prim.multiple_results else [out]
+
 
 # Linear: no residuals.
 deflinear("neg", lambda g, r, p: -g)
@@ -55,21 +66,61 @@ defvjp("mul", ("x1", lambda g, r, p: g * r.x[1]), ("x0", lambda g, r, p: g * r.x
 defvjp("div", ("x1", lambda g, r, p: g / r.x[1]), ("y0 x1", lambda g, r, p: -g * r.y[0] / r.x[1]))
 
 
-def _balanced(a, ans, b):
-    # Where both operands equal the max/min, each gets half (as in jax).
-    return jnp.where(a == ans, jnp.where(b == ans, 0.5, 1.0), 0.0).astype(ans.dtype)
+# max / min: d/dx is 1 where x alone is the result, 1/2 where x and y tie, else 0 (jax's
+# rule). Two bit-packed masks say all of it: x == ans and y == ans (both False at a NaN).
 
 
-defvjp(
-    "max",
-    ("x0 x1", lambda g, r, p: g * _balanced(r.x[0], jnp.maximum(r.x[0], r.x[1]), r.x[1])),
-    ("x0 x1", lambda g, r, p: g * _balanced(r.x[1], jnp.maximum(r.x[0], r.x[1]), r.x[0])),
-)
-defvjp(
-    "min",
-    ("x0 x1", lambda g, r, p: g * _balanced(r.x[0], jnp.minimum(r.x[0], r.x[1]), r.x[1])),
-    ("x0 x1", lambda g, r, p: g * _balanced(r.x[1], jnp.minimum(r.x[0], r.x[1]), r.x[0])),
-)
+def _derives(rec) -> bool:
+    return any(s.kind == "aux" for s in rec.saves)
+
+
+def _tie_masks(rec, ins):
+    (ans,) = _bind(rec, ins)
+    if not _derives(rec):
+        return [ans], [None, None]
+    x, y = ins
+    return [ans], [pack_mask(jnp.equal(x, ans)), pack_mask(jnp.equal(y, ans))]
+
+
+def _out_masks(n):
+    def avals(p, in_avals, out_avals, active):
+        o = out_avals[0]
+        return [mask_aval(o.shape, getattr(o, "sharding", None))] * n
+
+    return avals
+
+
+def _share(mine, other, g):
+    return jnp.where(mine, jnp.where(other, 0.5, 1.0), 0.0).astype(g.dtype)
+
+
+def _tie_ct(i, op):
+    def ct(g, r, p):
+        shape = r.out_avals[0].shape
+        if r.aux and r.aux[0] is not None:
+            a, b = unpack_mask(r.aux[0], shape), unpack_mask(r.aux[1], shape)
+        else:  # the operands are kept anyway (`share_operands`)
+            x, y = r.x
+            ans = op(x, y)
+            a, b = jnp.equal(x, ans), jnp.equal(y, ans)
+        return g * (_share(a, b, g) if i == 0 else _share(b, a, g))
+
+    return ("a0 a1", ct)
+
+
+def _operands(*idx):
+    return lambda p, in_avals, out_avals, active: tuple(("in", i) for i in idx)
+
+
+for _name, _op in (("max", jnp.maximum), ("min", jnp.minimum)):
+    defvjp(
+        _name,
+        _tie_ct(0, _op),
+        _tie_ct(1, _op),
+        derive=_tie_masks,
+        aux_avals=_out_masks(2),
+        plain=_operands(0, 1),
+    )
 
 
 def _pow_dx(g, r, p):
@@ -170,41 +221,110 @@ def _abs(g, r, p):
 defvjp("abs", ("x0", _abs))
 
 
-def _clamp_lo(g, r, p):
-    lo, x, hi = r.x
-    return jnp.where((lo > x) & (lo < hi), g, 0)
+# clamp(lo, x, hi): each operand's cotangent is g where a comparison holds (jax's
+# rule), so each active operand keeps one bit-packed mask (aux k for operand k), not
+# lo, x and hi.
 
 
-def _clamp_x(g, r, p):
-    lo, x, hi = r.x
-    return jnp.where((x > lo) & (x < hi), g, 0)
+_CLAMP_MASKS = (
+    lambda lo, x, hi: jnp.greater(lo, x) & jnp.less(lo, hi),  # lo is the result
+    lambda lo, x, hi: jnp.greater(x, lo) & jnp.less(x, hi),  # x is
+    lambda lo, x, hi: jnp.less(hi, x),  # hi is
+)
 
 
-def _clamp_hi(g, r, p):
-    lo, x, hi = r.x
-    return jnp.where(hi < x, g, 0)
+def _clamp_derive(rec, ins):
+    (y,) = _bind(rec, ins)
+    aux: list = [None, None, None]
+    for s in rec.saves:
+        if s.kind == "aux":
+            aux[s.index] = pack_mask(jnp.broadcast_to(_CLAMP_MASKS[s.index](*ins), y.shape))
+    return [y], aux
 
 
-defvjp("clamp", ("x0 x1 x2", _clamp_lo), ("x0 x1 x2", _clamp_x), ("x0 x1 x2", _clamp_hi))
-
-
-def _select_case(i):
+def _clamp_ct(k):
     def ct(g, r, p):
+        shape = r.out_avals[0].shape
+        if k < len(r.aux) and r.aux[k] is not None:
+            mask = unpack_mask(r.aux[k], shape)
+        else:  # the operands are kept anyway (`share_operands`)
+            mask = jnp.broadcast_to(_CLAMP_MASKS[k](*r.x), shape)
+        return jnp.where(mask, g, jnp.zeros((), g.dtype))
+
+    return (f"a{k}", ct)
+
+
+defvjp(
+    "clamp",
+    _clamp_ct(0),
+    _clamp_ct(1),
+    _clamp_ct(2),
+    derive=_clamp_derive,
+    aux_avals=_out_masks(3),
+    plain=_operands(0, 1, 2),
+)
+
+
+# select_n(which, *cases): case i's cotangent is g where ``which`` picks it. A bool
+# predicate large enough to pack is kept bit-packed (aux 0); an integer or small one
+# is kept as it is (input 0, shared with any other record keeping it).
+
+
+def _packs_predicate(which) -> bool:
+    return (
+        isinstance(which, Var)
+        and np.dtype(which.dtype) == np.bool_
+        and packs(tuple(which.shape), which.sharding)
+    )
+
+
+def _select_saves(p, in_avals, out_avals, active):
+    if not any(active[1:]):
+        return ()
+    return (("aux", 0),) if _packs_predicate(in_avals[0]) else (("in", 0),)
+
+
+def _select_avals(p, in_avals, out_avals, active):
+    w = in_avals[0]
+    return [mask_aval(tuple(w.shape), getattr(w, "sharding", None))]
+
+
+def _select_derive(rec, ins):
+    (y,) = _bind(rec, ins)
+    if any(s.kind == "aux" for s in rec.saves):
+        return [y], [pack_mask(ins[0])]
+    return [y], [None]
+
+
+def _select_vjp(p, r, cts, active):
+    g = cts[0]
+    if r.aux and r.aux[0] is not None:
+        which = unpack_mask(r.aux[0], r.in_avals[0].shape)
+    else:
         which = jnp.asarray(r.x[0])  # a literal predicate arrives as a Python bool/int
+    out: list = [None]
+    for i, a in enumerate(active[1:]):
+        if not a:
+            out.append(None)
+            continue
         if which.dtype == jnp.bool_:
             take = which if i == 1 else ~which
         else:
             take = which == i
-        return jnp.where(take, g, jnp.zeros((), g.dtype))
-
-    return ("x0", ct)
-
-
-def _select_n(*cases):
-    return defvjp("select_n", None, *cases)
+        out.append(jnp.where(take, g, jnp.zeros((), g.dtype)))
+    return out
 
 
-_select_n(*[_select_case(i) for i in range(16)])
+defrule(
+    Rule(
+        "select_n",
+        _select_saves,
+        _select_vjp,
+        derive=_select_derive,
+        aux_avals=_select_avals,
+        plain=_operands(0),
+    )
+)
 
 # No cotangent: rounding, sign, comparisons, integer and bit ops, RNG.
 defnondiff(

@@ -3,8 +3,10 @@
 What each rule keeps for backward, and why:
 
 * ``reduce_max`` / ``reduce_min``: a boolean mask of the elements equal to the
-  result (derived in forward, 1 byte per element instead of the input and the
-  output). The cotangent is split equally among tied extrema, as in jax.
+  result (derived in forward and bit-packed: 1 bit per element instead of the
+  input and the output). The cotangent is split equally among tied extrema, as
+  in jax; an argmax index would be smaller for long reductions but cannot
+  represent ties, so the mask stays.
 * ``reduce_prod``: the input. The cotangent is the product of the *other*
   elements, from an exclusive prefix and an exclusive suffix product: no
   division, so zeros (one or several) are exact.
@@ -33,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from tapegrad.rules._bits import mask_aval, pack_mask, unpack_mask
 from tapegrad.rules._registry import Rule, deflinear, defnondiff, defrule, defvjp
 
 __all__: list[str] = []
@@ -70,18 +73,20 @@ def _scalar(v, dtype):
 
 def _chooser_derive(rec, ins):
     (y,) = _bind(rec, ins)
+    if not rec.saves:
+        return [y], [None]
     x = ins[0]
-    return [y], [lax.eq(x, _expand(y, x.shape, rec.params["axes"]))]
+    return [y], [pack_mask(lax.eq(x, _expand(y, x.shape, rec.params["axes"])))]
 
 
 def _chooser_avals(p, in_avals, out_avals, active):
-    return [jax.ShapeDtypeStruct(in_avals[0].shape, jnp.bool_)]
+    return [mask_aval(in_avals[0].shape, getattr(in_avals[0], "sharding", None))]
 
 
 def _chooser_ct(g, r, p):
     axes = tuple(p["axes"])
     shape = r.in_avals[0].shape
-    hit = r.aux[0].astype(g.dtype)
+    hit = unpack_mask(r.aux[0], shape).astype(g.dtype)
     counts = lax.reduce_sum(hit, axes)  # as jax: 0/0 = NaN where the extremum is NaN
     return _expand(g / counts, shape, axes) * hit
 
