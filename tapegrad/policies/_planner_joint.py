@@ -229,7 +229,7 @@ def assign_greedy(tl: Timeline, opts: Options, budget: int) -> np.ndarray | None
         dt = opts.seconds - opts.seconds[r, choice][:, None]
         ok = opts.valid & (rel >= t)[:, None] & (delta < 0)
         if not ok.any():
-            return None
+            break
         # freed bytes per second added (a change that also saves time: first)
         score = np.where(dt > 0, -delta / np.maximum(dt, 1e-30), np.inf)
         score = np.where(ok, score, -1.0)
@@ -238,7 +238,13 @@ def assign_greedy(tl: Timeline, opts: Options, budget: int) -> np.ndarray | None
         j = int(np.argmax(-delta[cand]))  # ties: the one freeing the most
         apply(int(cand[0][j]), int(cand[1][j]))
     if live.max() > budget:
-        return None
+        # The steps above can trade bytes at one point for bytes at another and stall;
+        # start instead from every key at its fewest bytes (`least_bytes`'s plan), which
+        # fits whenever anything does, and let the refinement below buy time back.
+        for k, c in enumerate(_fewest_bytes(opts)):
+            apply(k, int(c))
+        if live.max() > budget:
+            return None
     # Refine: back to cheaper options where the plan still fits, costliest first.
     for k in np.argsort(-opts.seconds[r, choice], kind="stable"):
         k = int(k)
@@ -256,11 +262,16 @@ def assign_greedy(tl: Timeline, opts: Options, budget: int) -> np.ndarray | None
     return choice
 
 
+def _fewest_bytes(opts: Options) -> np.ndarray:
+    """Each key's fewest-bytes option (offload where allowed)."""
+    # bytes a key holds over its life, weighted as the stored part counts everywhere
+    weight = np.where(opts.valid, opts.stored * 4 + opts.copied, np.iinfo(np.int64).max)
+    return np.argmin(weight, axis=1)
+
+
 def least_bytes(tl: Timeline, opts: Options) -> int:
     """The peak with every key at its fewest-bytes option (offload where allowed): the
     floor this save/recompute plan can reach."""
     r = np.arange(len(tl.keys))
-    # bytes a key holds over its life, weighted as the stored part counts everywhere
-    weight = np.where(opts.valid, opts.stored * 4 + opts.copied, np.iinfo(np.int64).max)
-    c = np.argmin(weight, axis=1)
+    c = _fewest_bytes(opts)
     return int(live_bytes(tl, opts.stored[r, c], opts.copied[r, c]).max()) if tl.points else 0
