@@ -351,21 +351,9 @@ def build_segments(tape: Tape, decisions: Sequence[str]) -> tuple[Segment, ...]:
             if o.id in wanted.get(i, ()) and o.id not in stored
         ]
 
-    # A value some segment keeps as an input is stored, so no segment needs to
-    # recompute it; a segment left with nothing to provide is dropped (e.g. a
-    # checkpointed layer with one activation, which is the next layer's input).
-    active = set(range(len(groups_l)))
-    for _ in range(8):
-        stored = {v for g in active for v in inputs_of[g]}
-        new = {g for g in range(len(groups_l)) if has_aux[g] or outputs(g, stored)}
-        if new == active:
-            break
-        active = new
-    stored = {v for g in active for v in inputs_of[g]}
-    provided = {o.id for g in active for o in outputs(g, stored)}
-    if any(v not in stored and v not in provided for ws in wanted.values() for v in ws):
-        active = set(range(len(groups_l)))  # not converged: keep every segment (always correct)
-        stored = {v for g in active for v in inputs_of[g]}
+    active, stored = active_segments(
+        inputs_of, has_aux, wanted, lambda g, stored: [o.id for o in outputs(g, stored)]
+    )
 
     segments: list[Segment] = []
     for g in sorted(active):
@@ -382,6 +370,36 @@ def build_segments(tape: Tape, decisions: Sequence[str]) -> tuple[Segment, ...]:
     if all(v in kept or v in provided for ws in wanted.values() for v in ws):
         return pruned
     return tuple(segments)
+
+
+def active_segments(
+    inputs_of: Sequence[Any],
+    has_aux: Sequence[bool],
+    wanted: dict[int, set[int]],
+    provides: Callable[[int, set[int]], Sequence[int]],
+) -> tuple[set[int], set[int]]:
+    """Which candidate segments to keep, and the value ids kept as their inputs.
+
+    A value some segment keeps as an input is stored, so no segment needs to recompute
+    it; a segment left with nothing to provide (``provides(g, stored)``: the wanted
+    output ids it would recompute) and no derived residual is dropped (e.g. a
+    checkpointed layer with one activation, which is the next layer's input). Not
+    converged after a few rounds, or a wanted value left unprovided: keep every segment
+    (always correct)."""
+    n = len(inputs_of)
+    active = set(range(n))
+    for _ in range(8):
+        stored = {v for g in active for v in inputs_of[g]}
+        new = {g for g in range(n) if has_aux[g] or provides(g, stored)}
+        if new == active:
+            break
+        active = new
+    stored = {v for g in active for v in inputs_of[g]}
+    provided = {o for g in active for o in provides(g, stored)}
+    if any(v not in stored and v not in provided for ws in wanted.values() for v in ws):
+        active = set(range(n))
+        stored = {v for g in active for v in inputs_of[g]}
+    return active, stored
 
 
 def _derives(rec: Record) -> bool:

@@ -17,6 +17,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from tapegrad._checkpoint import active_segments
 from tapegrad._tape import Segment, Tape, Var
 
 __all__ = ["TapeIndex"]
@@ -176,18 +177,7 @@ class TapeIndex:
                 if o in wanted.get(i, empty) and o not in stored
             ]
 
-        active = set(range(len(groups_l)))
-        for _ in range(8):
-            stored = {v for g in active for v in inputs_of[g]}
-            new = {g for g in range(len(groups_l)) if has_aux[g] or outputs(g, stored)}
-            if new == active:
-                break
-            active = new
-        stored = {v for g in active for v in inputs_of[g]}
-        provided = {o for g in active for o in outputs(g, stored)}
-        if any(v not in stored and v not in provided for ws in wanted.values() for v in ws):
-            active = set(range(len(groups_l)))
-            stored = {v for g in active for v in inputs_of[g]}
+        active, stored = active_segments(inputs_of, has_aux, wanted, outputs)
 
         var_of = self._var
         regions = {r.id: r for r in tape.regions}

@@ -57,8 +57,7 @@ class Timeline:
 def timeline(tape: Tape, prefetch: int = 0, memo: dict | None = None) -> Timeline:
     """The `Timeline` of a planned tape (segments built), mirroring `budget.simulate`
     and the interpreter's backward (prefetch, unpack at first use, release at last)."""
-    from tapegrad._checkpoint import segment_peak
-    from tapegrad.policies.budget import _uses, segment_flops
+    from tapegrad.policies.budget import _uses, segment_cost
 
     memo = {} if memo is None else memo
     free = {v.id for v in tape.inputs} | {v.id for v, _ in tape.consts}
@@ -110,10 +109,7 @@ def timeline(tape: Tape, prefetch: int = 0, memo: dict | None = None) -> Timelin
             if seg.id in done:
                 continue
             done.add(seg.id)
-            mkey = (seg.records, tuple(o.id for o in seg.outputs))
-            if mkey not in memo:
-                memo[mkey] = (segment_flops(tape, seg), segment_peak(tape, seg))
-            seg_flops, seg_peak = memo[mkey]
+            seg_flops, seg_peak = segment_cost(tape, seg, memo)
             flops += seg_flops
             for v in seg.inputs:
                 copy(v.id)

@@ -81,6 +81,18 @@ def segment_flops(tape: Tape, seg: Any) -> float:
     return sum(record_flops(tape.records[i]) for i in seg.records)
 
 
+def segment_cost(tape: Tape, seg: Any, memo: dict) -> tuple[float, int]:
+    """(flops, recomputation peak) of one segment, kept in ``memo`` by its records and
+    outputs (plans scored on one tape share most of their segments)."""
+    key = (seg.records, tuple(o.id for o in seg.outputs))
+    got = memo.get(key)
+    if got is None:
+        from tapegrad._checkpoint import segment_peak
+
+        got = memo[key] = (segment_flops(tape, seg), segment_peak(tape, seg))
+    return got
+
+
 def estimate(tape: Tape, memo: dict | None = None) -> tuple[int, float]:
     """(peak live activation-residual bytes, recompute flops) of a planned tape.
 
@@ -95,8 +107,6 @@ def simulate(
 ) -> tuple[int, float, dict[Any, int]]:
     """`estimate`'s schedule: (peak, flops, bytes of each kept residual key); with
     ``trace``, also the largest live bytes while backward runs each record (by index)."""
-    from tapegrad._checkpoint import segment_peak
-
     memo = {} if memo is None else memo
     inputs = {v.id for v in tape.inputs} | {v.id for v, _ in tape.consts}
     kept, seg_of = tape.residual_keys()
@@ -127,10 +137,7 @@ def simulate(
             if seg.id in done:
                 continue
             done.add(seg.id)
-            mkey = (seg.records, tuple(o.id for o in seg.outputs))
-            if mkey not in memo:
-                memo[mkey] = (segment_flops(tape, seg), segment_peak(tape, seg))
-            seg_flops, seg_peak = memo[mkey]
+            seg_flops, seg_peak = segment_cost(tape, seg, memo)
             flops += seg_flops
             peak = max(peak, live + seg_peak)
             if trace is not None:
