@@ -25,6 +25,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
+import subprocess
+import sys
+import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -261,3 +265,25 @@ def assert_vjp_match(
     got_ct, want_ct = got[1](ct), want[1](ct)
     assert_trees_close(got_ct, want_ct, rtol, atol, dt)
     return got_ct
+
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_on_8_cpu_devices(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run ``code`` (dedented) in a fresh interpreter with 8 CPU devices: the XLA flag
+    must be set before jax starts, so sharded tests run in a subprocess."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

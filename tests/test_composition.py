@@ -5,19 +5,17 @@ Every test compares with jax's own autodiff on the same function and inputs.
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import textwrap
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import run_on_8_cpu_devices
 
 import tapegrad as tg
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RTOL, ATOL = 2e-5, 2e-6
 
 
@@ -387,21 +385,7 @@ def check(mesh):
 
 
 def _run_sharded(body: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    code = textwrap.dedent(_SHARDED_PRELUDE) + textwrap.dedent(body)
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_on_8_cpu_devices(textwrap.dedent(_SHARDED_PRELUDE) + textwrap.dedent(body))
 
 
 def test_jit_grad_with_sharded_inputs_subprocess():

@@ -8,12 +8,7 @@ Auto and an Explicit mesh. Oracle: the bytes of device 0's shards among
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import run_on_8_cpu_devices
 
 _SCRIPT = """
 import gc
@@ -89,20 +84,7 @@ for kind in (AxisType.Auto, AxisType.Explicit):
 
 
 def test_memory_report_and_budget_count_one_devices_shards():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_SCRIPT)],
-        env=env,
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_on_8_cpu_devices(_SCRIPT)
     assert proc.returncode == 0 and proc.stdout.count("OK") == 2, (
         f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
     )

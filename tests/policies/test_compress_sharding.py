@@ -6,14 +6,11 @@ jax is imported), the convention of tests/test_composition.py."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import textwrap
 
 import pytest
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from conftest import run_on_8_cpu_devices
 
 _BODY = """
 import numpy as np
@@ -155,21 +152,7 @@ print("OK")
 
 
 def _run(kind: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    code = f"KIND = {kind!r}\n" + textwrap.dedent(_BODY)
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return run_on_8_cpu_devices(f"KIND = {kind!r}\n" + textwrap.dedent(_BODY), timeout=600)
 
 
 @pytest.mark.parametrize("kind", ["explicit", "auto"])

@@ -8,16 +8,11 @@ between `tg.vjp`'s forward and backward (`jax.live_arrays`), against hand-counte
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_trees_close, enable_x64, live_bytes_by_kind
+from conftest import assert_trees_close, enable_x64, live_bytes_by_kind, run_on_8_cpu_devices
 from jax import lax
 
 import tapegrad as tg
@@ -432,19 +427,5 @@ print("OK")
 
 
 def test_sharded_masks_pack_along_unsharded_rows_subprocess():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_SHARDED)],
-        env=env,
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_on_8_cpu_devices(_SHARDED)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-4000:]
