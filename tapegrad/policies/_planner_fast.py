@@ -27,7 +27,7 @@ class TapeIndex:
     """Tape-only facts for scoring many plans of ``tape``, and the scoring itself."""
 
     def __init__(self, tape: Tape):
-        from tapegrad.policies.budget import _nbytes, record_flops
+        from tapegrad.policies.budget import record_flops
 
         self.tape = tape
         recs = tape.records
@@ -96,15 +96,15 @@ class TapeIndex:
         self.free = free
         size: dict[Any, int] = {}
         for key, v in obj.items():
-            size[key] = 0 if (isinstance(key, int) and key in free) else _nbytes(v)
+            size[key] = 0 if (isinstance(key, int) and key in free) else v.nbytes
         for r in recs:
             for o in r.outputs:
-                size.setdefault(o.id, _nbytes(o))
+                size.setdefault(o.id, o.nbytes)
             for u in r.inputs:
                 if isinstance(u, Var) and u.id not in size:
-                    size[u.id] = 0 if u.id in free else _nbytes(u)
+                    size[u.id] = 0 if u.id in free else u.nbytes
         self.size = size
-        self.out_bytes = {o.id: _nbytes(o) for r in recs for o in r.outputs}
+        self.out_bytes = {o.id: o.nbytes for r in recs for o in r.outputs}
         self.flops = [record_flops(r) for r in recs]
         self._seg_memo: dict[tuple, tuple[float, int]] = {}
 

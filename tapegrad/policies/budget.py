@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from tapegrad._tape import Record, Tape, itemsize
+from tapegrad._tape import Record, Tape
 from tapegrad.errors import TapegradError
 from tapegrad.policies._cost import device_nbytes
 
@@ -51,15 +51,6 @@ def record_flops(rec: Record) -> float:
         rhs = rec.inputs[1].shape
         return 2.0 * out * math.prod(rhs) / max(rhs[0], 1)
     return float(max(out, 1))
-
-
-def _nbytes(v) -> int:
-    # Var.nbytes's number (per device: a value sharded over a mesh counts its shard),
-    # without its overhead for an unsharded value (the planner scores hundreds of
-    # plans of hundreds of records)
-    if getattr(v, "sharding", None) is not None:
-        return v.nbytes
-    return math.prod(v.shape) * itemsize(v.dtype)
 
 
 def _uses(tape: Tape) -> dict[Any, int]:
@@ -110,7 +101,7 @@ def simulate(
     memo = {} if memo is None else memo
     inputs = {v.id for v in tape.inputs} | {v.id for v, _ in tape.consts}
     kept, seg_of = tape.residual_keys()
-    size = {k: (0 if (isinstance(k, int) and k in inputs) else _nbytes(v)) for k, v in kept.items()}
+    size = {k: (0 if (isinstance(k, int) and k in inputs) else v.nbytes) for k, v in kept.items()}
     live = sum(size.values())  # forward only adds: the peak of forward is its end
     peak = live
     remaining = _uses(tape)
@@ -143,7 +134,7 @@ def simulate(
             if trace is not None:
                 trace[rec.index] = max(trace.get(rec.index, 0), live + seg_peak)
             for o in seg.outputs:
-                extra[o.id] = _nbytes(o)
+                extra[o.id] = o.nbytes
                 live += extra[o.id]
             for v in seg.inputs:
                 release(v.id)
