@@ -237,9 +237,14 @@ def _plan_bodies(tape: Tape, policy: Any) -> Tape:
     return dataclasses.replace(tape, records=tuple(records))
 
 
-def decide_records(tape: Tape, policy: Any, whole: bool = True) -> list[str]:
+def decide_records(tape: Tape, policy: Any, whole: bool = True, rebuild: bool = True) -> list[str]:
     """Each record's decision; ``whole=False`` for a loop body, which a whole-tape
-    planner (`budget`) does not plan: only binding per-record choices apply there."""
+    planner (`budget`) does not plan: only binding per-record choices apply there.
+    ``rebuild``: values backward can rebuild for free are recomputed (`rebuilt_records`)."""
+    return _decide(tape, policy, whole, rebuild)[0]
+
+
+def _decide(tape: Tape, policy: Any, whole: bool, rebuild: bool) -> tuple[list[str], set[int]]:
     regions = {r.id: r for r in tape.regions}
     plan = getattr(policy, "plan", None)
     if plan is not None and not whole:
@@ -251,25 +256,126 @@ def decide_records(tape: Tape, policy: Any, whole: bool = True) -> list[str]:
             else:
                 c = choose(rec) if choose is not None else None
                 out.append("recompute" if c is P.NEVER else "save")
-        return out
+        return out, set()
     base = getattr(policy, "base", None) if plan is not None else policy
     choose = getattr(base, "choose", None)
     decide = getattr(policy, "decide", None)
     fixed: list[str | None] = []
+    open_: list[bool] = []  # a default or a preference, which a free rebuild may override
     for rec in tape.records:
+        c = choose(rec) if choose is not None and rec.region is None else None
         if rec.region is not None:
             fixed.append(_region_decides(rec, regions[rec.region]))
         elif plan is not None:
-            c = choose(rec) if choose is not None else None
             binding = c in (P.ALWAYS, P.NEVER)
             fixed.append(("save" if c is P.ALWAYS else "recompute") if binding else None)
         elif decide is not None:
             fixed.append(decide(rec))
         else:
             fixed.append("save")
+        open_.append(rec.region is None and c in (None, P.PREFER_SAVE))
+    rebuilt: set[int] = set()
+    if rebuild and whole:
+        rebuilt = rebuilt_records(tape, [f if f is not None else "save" for f in fixed], open_)
+        for i in rebuilt:
+            fixed[i] = "recompute"
     if plan is not None:
-        return plan(tape, fixed)
-    return [f if f is not None else "save" for f in fixed]
+        return plan(tape, fixed), rebuilt
+    return [f if f is not None else "save" for f in fixed], rebuilt
+
+
+# Exact, cheap ops (elementwise arithmetic, casts, layout): rebuilding their output in
+# backward costs a few memory-bound ops and gives the very same bits.
+_REBUILDABLE = frozenset(
+    {
+        "add",
+        "sub",
+        "mul",
+        "div",
+        "neg",
+        "max",
+        "min",
+        "select_n",
+        "convert_element_type",
+        "broadcast_in_dim",
+        "reshape",
+        "squeeze",
+        "expand_dims",
+        "transpose",
+        "slice",
+        "concatenate",
+    }
+)
+
+
+def rebuilt_records(tape: Tape, decisions: Sequence[str], open_: Sequence[bool]) -> set[int]:
+    """Records whose outputs backward rebuilds instead of keeping, because it holds
+    everything needed to rebuild them anyway.
+
+    A cheap op (`_REBUILDABLE`) whose operands are all kept anyway -- the function's
+    inputs and constants, values some record saves for its own backward, or outputs of
+    records rebuilt the same way -- is recomputed in backward at no memory cost: a layer
+    norm's ``(x - mu) * rsqrt(var + eps) * g + b`` keeps ``x - mu`` and the rsqrt for its
+    own backward, so the normalised value and the output need not be kept as well; a
+    softmax's quotient ``e / s`` is rebuilt from ``e`` and ``s``. jax.vjp keeps all of
+    them. The cost is the op run again in backward (under jit, without a barrier: XLA
+    may merge it with the forward value, which is no worse than saving it).
+
+    Only records whose decision is open (`save` by default or PREFER_SAVE, outside a
+    checkpoint region) and which have no names (a `tg.name`d value is the user's
+    to decide) are rebuilt; a tape's outputs are left alone."""
+    producer: dict[int, Record] = {}
+    for rec in tape.records:
+        for o in rec.outputs:
+            producer[o.id] = rec
+    saved: set[int] = set()
+    for rec in tape.records:
+        if rec.rule == "none":
+            continue
+        for s in rec.saves:
+            if s.kind != "aux":
+                v = rec.inputs[s.index] if s.kind == "in" else rec.outputs[s.index]
+                if isinstance(v, Var):
+                    saved.add(v.id)
+    outputs = {o.id for o in tape.outputs if isinstance(o, Var)}
+    rebuilt: set[int] = set()
+    for rec in tape.records:
+        if not (
+            rec.primitive in _REBUILDABLE
+            and open_[rec.index]
+            and decisions[rec.index] == "save"
+            and not rec.names
+            and not rec.bodies
+            and rec.rule != "fallback"
+            # re-running a record that derives values for its own backward (a mask) would
+            # change what it keeps, not just free its output
+            and not any(s.kind == "aux" for s in rec.saves)
+            and not any(o.id in outputs for o in rec.outputs)
+        ):
+            continue
+        ok = True
+        for u in rec.inputs:
+            if not isinstance(u, Var) or u.id not in producer:
+                continue  # a literal, an input or a constant: held by the caller
+            p = producer[u.id]
+            if p.index in rebuilt:
+                continue
+            if u.id not in saved or decisions[p.index] != "save":
+                ok = False
+                break
+        if ok:
+            rebuilt.add(rec.index)
+    # Only what backward needs: a rebuilt output some record saves, and what it is built from.
+    needed: set[int] = set()
+    stack = [i for i in rebuilt if any(o.id in saved for o in tape.records[i].outputs)]
+    while stack:
+        i = stack.pop()
+        if i not in needed:
+            needed.add(i)
+            for u in tape.records[i].inputs:
+                if isinstance(u, Var) and u.id in producer and producer[u.id].index in rebuilt:
+                    stack.append(producer[u.id].index)
+    return needed
 
 
 def build_segments(tape: Tape, decisions: Sequence[str]) -> tuple[Segment, ...]:
@@ -458,16 +564,30 @@ def segment_peak(tape: Tape, seg: Segment) -> int:
     return peak
 
 
-def plan_recompute(tape: Tape, policy: Any = None, decisions: Sequence[str] | None = None) -> Tape:
+def plan_recompute(
+    tape: Tape,
+    policy: Any = None,
+    decisions: Sequence[str] | None = None,
+    rebuild: bool = True,
+) -> Tape:
     """Tape pass: set each record's decision and build the recompute segments.
 
     Loop and branch bodies are planned first, record by record (`selective`, checkpoint
-    regions inside the body): a body's segments recompute within one step."""
+    regions inside the body): a body's segments recompute within one step. ``rebuild``:
+    values backward can rebuild from what it keeps anyway are not kept
+    (`rebuilt_records`); off where forward and backward run as one compiled call, in
+    which nothing is held between them."""
     tape = _plan_bodies(tape, policy)
+    rebuilt: set[int] = set()
     if decisions is None:
-        decisions = decide_records(tape, policy)
+        decisions, rebuilt = _decide(tape, policy, True, rebuild)
     if all(d == "save" for d in decisions) and all(r.decision == "save" for r in tape.records):
         return tape
     records = tuple(dataclasses.replace(r, decision=d) for r, d in zip(tape.records, decisions))
     segs = build_segments(dataclasses.replace(tape, records=records), decisions)
+    if rebuilt:  # a segment of free rebuilds alone needs no barrier against CSE
+        segs = tuple(
+            dataclasses.replace(g, prevent_cse=False) if rebuilt.issuperset(g.records) else g
+            for g in segs
+        )
     return dataclasses.replace(tape, records=records, segments=segs)

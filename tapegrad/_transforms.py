@@ -159,7 +159,7 @@ class _Traced:
         flat_fun.__wrapped__ = _user_function(fun)  # type: ignore[attr-defined]
         active = [active_leaf(i) for i in range(len(flat))]
         with _anomaly.leak_check(anomaly, _user_function(fun)):
-            self.tape: Tape = trace_flat(
+            tape = trace_flat(
                 flat_fun,
                 flat,
                 active,
@@ -168,12 +168,17 @@ class _Traced:
                 out_tree_fn=lambda: trees["out"],
                 owner=_user_function(fun),
             )
-        self.tape = _passes.run(_passes.check_rules(self.tape), passes)
-        self.tape = _passes.check_effects(plan_recompute(self.tape, policy))
+        self.unplanned: Tape = _passes.run(_passes.check_rules(tape), passes)
+        self.policy = policy
         self.out_tree = trees["out"]
         self.aux_tree = trees["aux"]
         self.n_out = trees["n_out"]
         self.untraced = trees["untraced"]
+
+    @functools.cached_property
+    def tape(self) -> Tape:
+        """The tape planned for the policy: what is recomputed, and from which values."""
+        return _passes.check_effects(plan_recompute(self.unplanned, self.policy))
 
     def restore(self, flat_out: list) -> list:
         """The flat outputs, with untraced leaves replaced by the objects returned."""
@@ -385,15 +390,19 @@ def value_and_grad(
         f_dyn.__wrapped__ = f  # for the function name in jax's errors
         mode = _anomaly.resolve(anomaly)
         t = _Traced(f_dyn, dyn, lambda i: True, has_aux, "grad", pol, passes, mode)
-        obs = _anomaly.observer(mode, t.tape, t.in_tree)  # None when anomaly mode is off
+        # None when anomaly mode is off
+        obs = _anomaly.observer(mode, t.tape if mode is not None else t.unplanned, t.in_tree)
         fused = None
         checked = False  # the output check and the named values, computed once
         if obs is None and is_plain(pol):
             # Nothing observes single records: try forward+backward as one compiled call.
             ydt = _check_grad_output(t, holomorphic)
-            capture = _named_vars(t.tape, intermediates)
+            # One compiled call holds nothing between forward and backward: values
+            # backward could rebuild are kept as they are (XLA plans that memory).
+            whole = _passes.check_effects(plan_recompute(t.unplanned, pol, rebuild=False))
+            capture = _named_vars(whole, intermediates)
             checked = True
-            fused = run_grad(t.tape, t.flat, ydt, tuple(capture or ()))
+            fused = run_grad(whole, t.flat, ydt, tuple(capture or ()))
         if fused is not None:
             flat_out, in_cts, captured = fused
             if capture:
@@ -434,7 +443,7 @@ def value_and_grad(
 def _check_grad_output(t: _Traced, holomorphic: bool):
     """The output's dtype, after checking that it is a real (or, holomorphic, complex) scalar."""
     is_leaf = tree_util.treedef_is_leaf(t.out_tree)  # like jax, {"loss": x} is not a scalar
-    shape = t.tape.outputs[0].shape if t.n_out == 1 else None
+    shape = t.unplanned.outputs[0].shape if t.n_out == 1 else None
     if t.n_out != 1 or not is_leaf or shape != ():
         what = (
             f"Output had shape: {shape}"
@@ -446,7 +455,7 @@ def _check_grad_output(t: _Traced, holomorphic: bool):
             "to a scalar array (e.g. .sum()), return extra values with has_aux=True, or use "
             "tg.vjp."
         )
-    ydt = t.tape.outputs[0].dtype
+    ydt = t.unplanned.outputs[0].dtype
     if holomorphic and not jnp.issubdtype(ydt, jnp.complexfloating):
         raise TypeError(
             f"grad with holomorphic=True requires outputs with complex dtype, but got "

@@ -174,7 +174,8 @@ def big_to_host(info):
 routed = tg.memory_report(loss, policy=P.route(big_to_host))(params, x)
 print(f"device {routed.device_bytes:,} B, host {routed.host_bytes:,} B")
 assert routed.device_bytes + routed.host_bytes == save.residual_bytes
-assert 0 < routed.device_bytes < routed.host_bytes
+# device: the inputs (kept as they are) and the small residuals
+assert 0 < routed.device_bytes - routed.input_bytes < routed.host_bytes
 chex.assert_trees_all_close(
     tg.grad(loss, policy=P.route(big_to_host))(params, x), g_ref, rtol=1e-5, atol=1e-6
 )

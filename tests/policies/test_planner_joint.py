@@ -104,7 +104,7 @@ def test_gradients_equal_jax_and_predicted_peak_is_measured(model, mode, mlp_mod
     full = save_peak(f, args)
     lossy = max_error is not None
     tried = 0
-    for frac in (0.75, 0.5, 0.3) if model == "mlp" else (0.75, 0.55):
+    for frac in (0.75, 0.5, 0.3) if model == "mlp" else (0.8, 0.7, 0.55):
         pol = P.budget(int(full * frac), allow=allow, max_error=max_error, costs=COSTS)
         try:
             got = tg.grad(f, policy=pol)(*args)
@@ -163,13 +163,15 @@ def test_measured_peak_never_rises_as_the_budget_tightens(mlp_model):
 
 
 def _single(f, args, column: int, costs: CostModel) -> tuple[float, int]:
-    """(predicted seconds, predicted peak) of one mechanism applied to every residual."""
+    """(predicted seconds, predicted peak) of one mechanism applied to every residual;
+    the seconds include rebuilding the values every policy rebuilds in backward
+    (`_checkpoint.rebuilt_records`)."""
     tape = tg.trace(f, argnums=0)(*args)
     tl = joint.timeline(tape, prefetch=1 if column == 1 else 0)
     opts = joint.options(tl, (joint.COLUMNS[column],), costs)
     choice = np.where(opts.valid[:, column], column, 0)
     peak, secs = joint.evaluate(tl, opts, choice)
-    return secs, peak
+    return secs + costs.recompute_s(estimate(tape)[1]), peak
 
 
 @pytest.mark.parametrize("model", ["mlp", "block"])

@@ -1,0 +1,128 @@
+"""Values backward rebuilds from what it keeps anyway (`_checkpoint.rebuilt_records`):
+a cheap exact op whose operands are all kept is re-run in backward, not kept."""
+
+from __future__ import annotations
+
+import gc
+
+import jax
+import jax.numpy as jnp
+from conftest import assert_trees_close, rand
+
+import tapegrad as tg
+from tapegrad import _checkpoint
+
+P = tg.CheckpointPolicy
+
+
+def block(p, x):
+    """Pre-LN attention-ish block: layer norm, a matmul, a softmax, a matmul."""
+    mu = jnp.mean(x, -1, keepdims=True)
+    xc = x - mu
+    h = xc * jax.lax.rsqrt(jnp.mean(xc**2, -1, keepdims=True) + 1e-5) * p["g"] + p["b"]
+    s = h @ p["w"]
+    e = jnp.exp(s - jax.lax.stop_gradient(jnp.max(s, -1, keepdims=True)))
+    a = e / jnp.sum(e, -1, keepdims=True)
+    return jnp.sum(jnp.tanh(a @ p["v"]) ** 2)
+
+
+def params(d=16, n=12):
+    return {
+        "g": 1.0 + 0.1 * rand((d,), seed=1),
+        "b": 0.1 * rand((d,), seed=2),
+        "w": rand((d, n), seed=3) / 4,
+        "v": rand((n, d), seed=4) / 4,
+    }
+
+
+def _held(f, *args) -> int:
+    gc.collect()
+    before = sum(a.nbytes for a in jax.live_arrays())
+    out, vjp_fn = f(*args)
+    gc.collect()
+    held = sum(a.nbytes for a in jax.live_arrays()) - before - out.nbytes
+    del out, vjp_fn
+    return held
+
+
+def test_layer_norm_output_and_softmax_quotient_are_rebuilt():
+    p, x = params(), rand((8, 16), seed=0)
+    tape = tg.trace(block, argnums=(0, 1))(p, x)
+    prims = [r.primitive for r in tape.records if r.decision == "recompute"]
+    # normalised value, * g (+ its broadcast), + b (+ its broadcast), e / s
+    assert sorted(prims) == sorted(
+        ["mul", "mul", "broadcast_in_dim", "add", "broadcast_in_dim", "div"]
+    )
+    assert all(not s.prevent_cse for s in tape.segments)  # no barrier under jit
+    # Every kept value is one a record saves for its own backward, or an input.
+    kept, recomputed = tape.residual_keys()
+    # h (for the matmul), h*rsqrt (for dg), g's broadcast (for dh*rsqrt), a (for the matmul)
+    assert len(recomputed) == 4
+
+
+def test_gradients_equal_jax_everywhere():
+    p, x = params(), rand((8, 16), seed=0)
+    want = jax.grad(block, argnums=(0, 1))(p, x)
+    assert_trees_close(tg.grad(block, argnums=(0, 1))(p, x), want)
+    out, vjp_fn = tg.vjp(block, p, x)
+    assert_trees_close(vjp_fn(jnp.ones_like(out)), want)
+    assert_trees_close(jax.jit(tg.grad(block, argnums=(0, 1)))(p, x), want)
+    xs = jnp.stack([x, 2 * x])
+    assert_trees_close(
+        jax.vmap(tg.grad(block, argnums=1), (None, 0))(p, xs),
+        jax.vmap(jax.grad(block, argnums=1), (None, 0))(p, xs),
+    )
+    hess = lambda g: g(lambda x: jnp.sum(g(block, argnums=1)(p, x) ** 2))(x)  # noqa: E731
+    assert_trees_close(hess(tg.grad), hess(jax.grad), rtol=1e-4)
+    for pol in (tg.policies.offload(), tg.policies.compress(jnp.float32)):
+        assert_trees_close(tg.grad(block, argnums=(0, 1), policy=pol)(p, x), want)
+
+
+def test_rebuilding_frees_exactly_the_rebuilt_values(monkeypatch):
+    p, x = params(), rand((8, 16), seed=0)
+    vjp = lambda p, x: tg.vjp(block, p, x)  # noqa: E731
+    monkeypatch.setattr(_checkpoint, "_REBUILDABLE", frozenset())
+    kept_all = _held(vjp, p, x)
+    monkeypatch.undo()
+    rebuilt = _held(vjp, p, x)
+    # h and h * rsqrt (8x16 f32 each), g's broadcast (16) and the softmax a (8x12) are no
+    # longer kept.
+    assert kept_all - rebuilt == (2 * 8 * 16 + 16 + 8 * 12) * 4, (kept_all, rebuilt)
+    tape = tg.trace(block, argnums=(0, 1))(p, x)
+    kept, _ = tape.residual_keys()
+    inputs = {v.id for v in tape.inputs}
+    assert rebuilt == sum(v.nbytes for k, v in kept.items() if k not in inputs)
+    assert rebuilt < _held(lambda p, x: jax.vjp(block, p, x), p, x)
+
+
+def test_a_binding_choice_named_value_or_region_is_not_overridden():
+    p, x = params(), rand((8, 16), seed=0)
+    keep = tg.selective(lambda r: P.ALWAYS if r.primitive == "div" else P.PREFER_SAVE)
+    tape = tg.trace(block, argnums=(0, 1), policy=keep)(p, x)
+    assert "div" not in [r.primitive for r in tape.records if r.decision == "recompute"]
+    assert "mul" in [r.primitive for r in tape.records if r.decision == "recompute"]
+
+    def named(p, x):
+        return block(p, tg.name(x * 2.0, "x2"))
+
+    tape = tg.trace(named, argnums=(0, 1))(p, x)
+    assert all(r.decision == "save" for r in tape.records if r.names)
+
+    def regioned(p, x):  # a checkpoint region decides for its own records
+        return tg.checkpoint(block, policy=lambda *_, **__: True)(p, x)
+
+    tape = tg.trace(regioned, argnums=(0, 1))(p, x)
+    assert all(r.decision == "save" for r in tape.records if r.region is not None)
+    assert_trees_close(
+        tg.grad(regioned, argnums=(0, 1))(p, x), jax.grad(block, argnums=(0, 1))(p, x)
+    )
+
+
+def test_a_value_whose_operand_is_not_kept_is_kept():
+    # exp's input (s - max) is not kept by anyone: the subtraction cannot be rebuilt for
+    # free, nor can exp (not a cheap op); tanh's input a @ v is a matmul's output.
+    p, x = params(), rand((8, 16), seed=0)
+    tape = tg.trace(block, argnums=(0, 1))(p, x)
+    by_prim = {r.primitive: r for r in tape.records}
+    assert by_prim["exp"].decision == "save" and by_prim["sub"].decision == "save"
+    assert by_prim["tanh"].decision == "save"
