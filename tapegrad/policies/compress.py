@@ -298,7 +298,7 @@ class Compress:
             if packed_nbytes(lay, self.bits, value.dtype) >= info.nbytes:
                 return value  # a few values: min and scale would cost more than they save
             words = key_words(0 if self.key is None else self.key)
-            rid = np.uint32(residual_id(info))
+            rid = residual_id(info)
             return pack_lowbit(value, words, rid, bits=self.bits, lay=lay)
         if not self.int8:
             if jnp.issubdtype(self.dtype, jnp.floating) and self.dtype.itemsize == 1:
