@@ -13,7 +13,6 @@ memory falls during backward as in PyTorch.
 from __future__ import annotations
 
 import dataclasses
-
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -204,8 +203,8 @@ def forward(
     ``observer.forward_record(record, ins, outs)``, if given, sees every record's
     values right after it runs (anomaly checks plug in here). ``consts``, if given,
     replaces the values of the tape's constants (same order). A loop body runs with
-    ``loops`` (the enclosing loop records), ``steps`` (its step in each) and ``forwarded`` (residual keys the loop
-    record keeps itself, stored unpacked).
+    ``loops`` (the enclosing loop records), ``steps`` (its step in each) and
+    ``forwarded`` (residual keys the loop record keeps itself, stored unpacked).
     """
     env: dict[int, Any] = {v.id: x for v, x in zip(tape.inputs, args)}
     const_vals = [c for _, c in tape.consts] if consts is None else consts

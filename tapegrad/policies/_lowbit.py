@@ -153,7 +153,7 @@ def read_through_a_pole(info) -> bool:
     the gradient, so low-bit compression keeps it exact."""
     rec, saved = getattr(info, "record", None), getattr(info, "saved", None)
     prim = getattr(rec, "primitive", None)
-    if prim is None or saved is None:
+    if rec is None or prim is None or saved is None:
         return False
     if prim == "integer_pow":
         return saved.kind == "in" and int(rec.params.get("y", 0)) < 0
