@@ -12,6 +12,7 @@ memory falls during backward as in PyTorch.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -51,6 +52,7 @@ class Residuals:
         "input_ids",
         "raw",
         "loops",
+        "steps",
     )
 
     def __init__(self, policy):
@@ -66,6 +68,7 @@ class Residuals:
         # record keeps once for all steps (its consts, its scanned slices).
         self.raw: frozenset = frozenset()
         self.loops: tuple = ()  # the loop records this tape runs inside, outermost first
+        self.steps: tuple = ()  # this run's step index in each of them (see ResidualInfo)
 
 
 def _bind(rec: Record, ins: list) -> list:
@@ -192,6 +195,7 @@ def forward(
     consts: Sequence[Any] | None = None,
     *,
     loops: tuple = (),
+    steps: tuple = (),
     forwarded: frozenset = frozenset(),
 ) -> tuple[list, Residuals]:
     """Run the tape forward; returns (flat outputs, residuals).
@@ -199,8 +203,8 @@ def forward(
     ``observer.forward_record(record, ins, outs)``, if given, sees every record's
     values right after it runs (anomaly checks plug in here). ``consts``, if given,
     replaces the values of the tape's constants (same order). A loop body runs with
-    ``loops`` (the enclosing loop records) and ``forwarded`` (residual keys the loop
-    record keeps itself, stored unpacked).
+    ``loops`` (the enclosing loop records), ``steps`` (its step in each) and
+    ``forwarded`` (residual keys the loop record keeps itself, stored unpacked).
     """
     env: dict[int, Any] = {v.id: x for v, x in zip(tape.inputs, args)}
     const_vals = [c for _, c in tape.consts] if consts is None else consts
@@ -218,7 +222,7 @@ def forward(
 
     res = Residuals(policy)
     plain = res.plain = is_plain(policy)
-    res.raw, res.loops = forwarded, loops
+    res.raw, res.loops, res.steps = forwarded, loops, steps
     if not plain:
         # A loop body's inputs are per-step values (carries, slices), not the caller's arrays.
         ins_ids = frozenset(v.id for v in tape.inputs) if not loops else frozenset()
@@ -293,8 +297,10 @@ def forward(
 
 
 def _pack(res: Residuals, rec: Record, key, s, value):
-    info = ResidualInfo(rec, s, s.shape, s.dtype, key in res.input_ids, res.loops)
-    res.infos[key] = info
+    info = ResidualInfo(rec, s, s.shape, s.dtype, key in res.input_ids, res.loops, res.steps)
+    # Backward's copy forgets the steps: inside a traced scan they are the forward
+    # body's tracers.
+    res.infos[key] = dataclasses.replace(info, steps=()) if res.steps else info
     if info.is_input and not packs_inputs(res.policy):
         return value  # the caller holds it: a packed copy would add memory and free none
     try:

@@ -159,11 +159,14 @@ def loop_backward(
     return _scan_backward(rec, x, stored, gs, retain, observer)
 
 
-def _body_forward(body: Tape, args, res, rec: Record, fwd: frozenset[int], child=None):
+def _body_forward(
+    body: Tape, args, res, rec: Record, fwd: frozenset[int], child=None, step: Any = 0
+):
+    """One step (``step``: its index, an int or a traced uint32) or branch of ``rec``."""
     from tapegrad._interpret import forward
 
-    loops = res.loops + (rec,)
-    return forward(body, args, res.policy, loops=loops, forwarded=fwd, observer=child)
+    loops, steps = res.loops + (rec,), res.steps + (step,)
+    return forward(body, args, res.policy, loops=loops, steps=steps, forwarded=fwd, observer=child)
 
 
 def _body_backward(body: Tape, r, cts, retain: bool, child=None) -> list:
@@ -214,7 +217,8 @@ def _carry_pairs(rec: Record, keys) -> list[tuple[int, int, int]]:
 # ------------------------------------------------------------------------ scan
 
 
-def _scan_forward(rec: Record, ins: list, res, observer) -> tuple[list, Any]:
+def _scan_forward(rec: Record, ins: list, res, observer, start: Any = 0) -> tuple[list, Any]:
+    """``start``: the index of the first step run here (a segment's offset in its scan)."""
     if rec.snapshots and observer is None:
         from tapegrad._revolve import revolve_forward
 
@@ -237,7 +241,7 @@ def _scan_forward(rec: Record, ins: list, res, observer) -> tuple[list, Any]:
         for t in order:
             child = _child(observer, body)
             args = [*consts, *carry, *(x[t] for x in xs)]
-            outs, r = _body_forward(body, args, res, rec, fwd, child)
+            outs, r = _body_forward(body, args, res, rec, fwd, child, start + t)
             codes.append(_codes(child))
             for k in fwd:
                 r.store.pop(k, None)
@@ -260,9 +264,10 @@ def _scan_forward(rec: Record, ins: list, res, observer) -> tuple[list, Any]:
 
     box: dict[str, Any] = {}
 
-    def step(carry, x):
+    def step(carry, xt):
+        x, t = xt
         child = box["child"] = _child(observer, body)
-        outs, r = _body_forward(body, [*consts, *carry, *x], res, rec, fwd, child)
+        outs, r = _body_forward(body, [*consts, *carry, *x], res, rec, fwd, child, t)
         keys = [k for k in r.store if k not in fwd]
         pairs = box["pairs"] = _carry_pairs(rec, keys) if res.plain and T else []
         keys = [k for k in keys if k not in {p[0] for p in pairs}]
@@ -274,13 +279,16 @@ def _scan_forward(rec: Record, ins: list, res, observer) -> tuple[list, Any]:
             _codes(child),
         )
 
+    # Each step's index (in xs order), so steps that see identical data still pack
+    # with their own noise.
+    ts = jnp.asarray(start, jnp.uint32) + jnp.arange(T, dtype=jnp.uint32)
     carry, (ys, stacked, codes) = lax.scan(
-        step, list(init), list(xs), length=T, reverse=p["reverse"], unroll=p["unroll"]
+        step, list(init), (list(xs), ts), length=T, reverse=p["reverse"], unroll=p["unroll"]
     )
     if observer is not None:
         observer.add_loop(rec, box["child"], codes[jnp.asarray(order, jnp.int32)], order)
     skel = box["skel"]
-    skel.store = {}
+    skel.store, skel.steps = {}, ()  # the steps were the body's tracers
     shifted = tuple((k_in, k_out, init[j]) for k_in, k_out, j in box["pairs"])
     stored = _Stored(skel=skel, keys=box["keys"], values=stacked, shifted=shifted)
     return list(carry) + list(ys), stored
@@ -682,7 +690,8 @@ def _segmented_forward(rec: Record, ins: list, res) -> tuple[list, _Segmented]:
     carry, (ys_main, checkpoints) = lax.scan(segment, init, jnp.arange(n), length=n)
     # Segments and remainder run forward over the steps in the scan's own order.
     rem_ins = [*consts, *carry, *(v.take(n * k, r) for v in xs)]
-    outs_rem, rem = _scan_forward(_part(rec, r, None, rec.inner_schedule), rem_ins, res, None)
+    rem_rec = _part(rec, r, None, rec.inner_schedule)
+    outs_rem, rem = _scan_forward(rem_rec, rem_ins, res, None, start=n * k)
     ys = [
         jnp.concatenate([y.reshape((n * k,) + y.shape[2:]), y_rem])
         for y, y_rem in zip(ys_main, outs_rem[nk:])
@@ -733,7 +742,7 @@ def _segmented_backward(rec: Record, x: list, st: _Segmented, gs: list, retain: 
         cp, i = inp
         xseg = steps(xs, i * k, k)
         # Recompute this segment's residuals from its carry, then run its backward.
-        _, stored = _scan_forward(seg_rec, [*consts, *cp, *xseg], st.res, None)
+        _, stored = _scan_forward(seg_rec, [*consts, *cp, *xseg], st.res, None, start=i * k)
         seg_gs = [*ct_c, *steps(g_ys, i * k, k)]
         # The recomputed residuals are this call's own: free each step once it is used.
         in_cts = _scan_backward(

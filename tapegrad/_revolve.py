@@ -208,7 +208,8 @@ def revolve_forward(rec: Record, ins: list, res) -> tuple[list, Any]:
         checkpoints = [b[:n0] for b in buf]
     # The last step runs as a 1-step segment whose residuals are kept.
     last = L._part(rec, 1)
-    outs, rem = L._scan_forward(last, [*consts, *carry, *(v.take(T - 1, 1) for v in xs)], res, None)
+    last_ins = [*consts, *carry, *(v.take(T - 1, 1) for v in xs)]
+    outs, rem = L._scan_forward(last, last_ins, res, None, start=T - 1)
     ys = [jnp.concatenate([a, b]) for a, b in zip(ys_main, outs[nk:])]
     return list(outs[:nk]) + (L._flip(ys) if rev else ys), L._Segmented(checkpoints, rem, res, 1)
 
@@ -245,7 +246,7 @@ def revolve_backward(rec: Record, x: list, st: Any, gs: list, retain: bool) -> l
     def turn(carry, ct_c, acc, t, keep):
         """Step t's residuals from its carry, then its backward."""
         if keep is None:
-            _, keep = L._scan_forward(one, [*consts, *carry, *window(xs, t)], st.res, None)
+            _, keep = L._scan_forward(one, [*consts, *carry, *window(xs, t)], st.res, None, t)
         in_cts = L._scan_backward(
             one,
             [*consts, *([None] * nk), *window(xs, t)],

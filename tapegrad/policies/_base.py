@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import jax
@@ -50,6 +50,11 @@ class ResidualInfo:
     # The loop records (scan) this residual's record runs inside, outermost first: the
     # residual is packed once per step, `trip_count` times in all.
     loops: tuple = ()
+    # The step index in each of those loops (a Python int eagerly, a traced uint32 inside
+    # a traced scan body, valid only during that pack: backward's copy holds ``()``).
+    # Steps that see identical data are told apart by it (a stochastic rounding that
+    # seeds by the data alone would give them identical noise). Not compared or hashed.
+    steps: tuple = field(default=(), compare=False)
 
     @property
     def nbytes(self) -> int:

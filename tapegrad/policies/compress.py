@@ -43,6 +43,7 @@ from tapegrad.policies._lowbit import (
     lowbit_layout,
     pack_lowbit,
     packed_nbytes,
+    read_through_a_pole,
     residual_id,
     unpack_lowbit,
 )
@@ -294,11 +295,13 @@ class Compress:
             return value
         value = as_array(value, info)  # an input may be a Python or numpy scalar
         if self.bits is not None:
+            if read_through_a_pole(info):
+                return value  # backward divides by it: rounding would bias the gradient
             lay = lowbit_layout(value, self.bits, self.group)
             if packed_nbytes(lay, self.bits, value.dtype) >= info.nbytes:
                 return value  # a few values: min and scale would cost more than they save
             words = key_words(0 if self.key is None else self.key)
-            rid = np.uint32(residual_id(info))
+            rid = residual_id(info)
             return pack_lowbit(value, words, rid, bits=self.bits, lay=lay)
         if not self.int8:
             if jnp.issubdtype(self.dtype, jnp.floating) and self.dtype.itemsize == 1:
@@ -368,6 +371,9 @@ def compress(
     scale, and right on average: the noise is drawn from ``key=`` (an int seed or a
     `jax.random.key`; default seed 0) folded with the residual's id and data, so it is
     reproducible and differs between residuals (see `tapegrad.policies._lowbit`).
+    Residuals that backward divides by (log's input, a divisor, sqrt's output) are kept
+    exact: the mean of ``1 / x`` over a rounding is not ``1 / x``, so rounding them would
+    bias the gradient.
 
     Groups and blocks run along rows and never cross a shard: packed residuals keep
     the sharding of the value they stand for, and gradients keep jax.grad's.

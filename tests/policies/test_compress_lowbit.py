@@ -5,6 +5,7 @@ reproducible and the same eagerly, under jit, vmap and in scans."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 from types import SimpleNamespace
 
@@ -291,3 +292,71 @@ def test_same_eagerly_under_jit_vmap_and_in_scans():
     s1 = L._seed(L.key_words(0), jnp.uint32(7), L._digest(lo, lo + 1))
     s2 = L._seed(L.key_words(0), jnp.uint32(7), L._digest(lo, lo + 2))
     assert int(s1) != int(s2)
+
+
+@pytest.mark.parametrize("mode", ["jit", "eager"])
+def test_scan_steps_with_identical_data_get_independent_noise(mode):
+    # Every step reads the same sin(x) (a residual of its h @ w), so the data digest
+    # cannot tell the steps apart: only the step index in the seed does. The weight
+    # gradient is the mean over steps of T independent, unbiased estimates: its error
+    # shrinks like 1/sqrt(T) against one step's; with one noise for all steps it would
+    # stay at one step's error (0.38 here before the step index was in the seed).
+    T = 256
+
+    def loss(w, x, length):
+        def body(c, _):
+            return c + jnp.sum(jnp.sin(x) @ w), None
+
+        return jax.lax.scan(body, 0.0, None, length=length)[0] / length
+
+    w = jax.random.normal(jax.random.key(0), (64, 8))
+    x = jax.random.normal(jax.random.key(1), (16, 64))
+    policy = P.compress(bits=2, key=3)
+    grad = functools.partial(tg.grad, policy=policy)
+    run = (lambda f: jax.jit(f, static_argnums=2)) if mode == "jit" else (lambda f: f)
+    want = jax.grad(loss)(w, x, T)
+    one = rel_err([run(grad(loss))(w, x, 1)], [jax.grad(loss)(w, x, 1)])
+    many = rel_err([run(grad(loss))(w, x, T)], [want])
+    assert one > 0.2  # 2 bits on a Gaussian-like row: one step is far off
+    assert many < 3 * one / np.sqrt(T)
+
+
+def test_residuals_backward_divides_by_are_kept_exact_so_the_gradient_is_unbiased():
+    # log's backward is g / x: over stochastic roundings E[1 / x_hat] > 1 / x, a bias that
+    # no number of keys removes. compress keeps such residuals exact; the rest (the
+    # square's input, read linearly) still carry the noise, which averages out.
+    def loss(w, x):
+        z = x @ w
+        return jnp.sum(jnp.log(z * z + 0.05) + z / (1 + z * z))
+
+    w = jax.random.normal(jax.random.key(0), (64, 32)) / 8
+    x = jax.random.normal(jax.random.key(1), (32, 64))
+    ref = jax.grad(loss)(w, x)
+    kept = {}
+
+    class Spy:
+        def __init__(self, key):
+            self.base = P.compress(bits=2, key=key)
+
+        def pack(self, v, info):
+            out = self.base.pack(v, info)
+            kept[(info.primitive, info.saved.kind, info.saved.index)] = out is v
+            return out
+
+        def unpack(self, packed, info):
+            return self.base.unpack(packed, info)
+
+    tg.grad(loss, policy=Spy(0))(w, x)
+    assert kept[("log", "in", 0)] and kept[("div", "in", 1)]
+    assert not kept[("mul", "in", 1)] and not kept[("div", "out", 0)]  # read linearly: rounded
+
+    def one(k):
+        return tg.grad(loss, policy=P.compress(bits=2, key=k))(w, x)
+
+    grads = jax.jit(jax.vmap(one))(jax.random.split(jax.random.key(2), 256))
+    # One key's error, root-mean-squared over the keys: for unbiased independent
+    # errors, the mean's error is that over sqrt(N) (x 1.5 slack); a bias is a floor.
+    single = float(np.sqrt(np.mean([rel_err([g], [ref]) ** 2 for g in grads])))
+    mean = rel_err([grads.mean(0)], [ref])
+    assert single > 0.05
+    assert mean <= 1.5 * single / np.sqrt(256), (mean, single)
