@@ -366,7 +366,9 @@ def _note_bits(packed, info, key, by_key: dict, named: dict) -> None:
         if dts != {info.dtype}:
             return  # packed some other way (a cast, int8)
         bits = info.dtype.itemsize * 8
-    by_key[key] = bits
+    # A set: eagerly, a scan step's carry input shares the step before's packed output
+    # (packed at that residual's width), all but the first step's.
+    by_key.setdefault(key, set()).add(bits)
     values = int(math.prod(info.shape)) * info.trip_count
     named.setdefault(residual_name(info), (bits, values))
 
@@ -396,7 +398,7 @@ class _Body:
         self.seen = seen
         # Bit widths read off the packed values: per branch by key, and by residual name
         # (shared with the whole report) with the values each packs.
-        self.bits: list[dict[Any, int]] = [{} for _ in range(n)]
+        self.bits: list[dict[Any, set[int]]] = [{} for _ in range(n)]
         self.named: dict[str, tuple[int, int]] = {} if named is None else named
         self.keys: list[dict[Any, _Acc]] = [{} for _ in range(n)]
         self.nested: list[dict[int, _Body]] = [{} for _ in range(n)]
@@ -591,7 +593,7 @@ def _rows(
                 branch,
                 body,
                 sum(bm.checkpoints[:2]) if bm is not None else 0,
-                bits="+".join(map(str, sorted({bits[k] for k in keys if k in bits})))
+                bits="+".join(map(str, sorted(set().union(*(bits.get(k, ()) for k in keys)))))
                 if bits is not None
                 else "",
             )
@@ -639,7 +641,7 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
     sizes_acc: dict[Any, _Acc] = {}
     bodies: dict[int, _Body] = {}
     seen: set[int] = set()
-    bits: dict[Any, int] = {}
+    bits: dict[Any, set[int]] = {}
     named: dict[str, tuple[int, int]] = {}
     for key, packed in res.store.items():
         if key in const_ids:

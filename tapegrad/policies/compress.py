@@ -238,7 +238,10 @@ class Compress:
         self.inputs = bool(inputs)
         self.bits, self.group, self.key = bits, group, key
         self.dtype: Any = None
-        self.budget_bits, self.allocation = _check_budget_bits(bits, budget_bits), allocation
+        self.allocation = _check_allocation(bits, allocation)
+        if budget_bits is None and allocation is not None:
+            budget_bits = allocation.budget_bits
+        self.budget_bits = _check_budget_bits(bits, budget_bits)
         if bits is not None:
             if dtype is not None:
                 raise ValueError(
@@ -420,6 +423,7 @@ def compress(
     *,
     bits: int | str | None = None,
     budget_bits: float | None = None,
+    allocation: Any = None,
     group: int = DEFAULT_GROUP,
     key: Any = None,
     block_size: Any = "auto",
@@ -447,6 +451,8 @@ def compress(
     sensitive to rounding (GACT). The widths are measured on your function first:
     ``policy = compress(bits="auto", budget_bits=3.0).fit(loss, params, x)`` (see
     `Compress.fit`); an unfitted ``"auto"`` policy raises ``ValueError`` when it packs.
+    ``allocation=`` reuses a fitted one's (``policy.allocation``), e.g. with a key that
+    changes every step: ``compress(bits="auto", allocation=alloc, key=step_key)``.
 
     Groups and blocks run along rows and never cross a shard: packed residuals keep
     the sharding of the value they stand for, and gradients keep jax.grad's.
@@ -461,8 +467,33 @@ def compress(
     ```
     """
     return Compress(
-        dtype, axis, block_size, inputs, bits=bits, group=group, key=key, budget_bits=budget_bits
+        dtype,
+        axis,
+        block_size,
+        inputs,
+        bits=bits,
+        group=group,
+        key=key,
+        budget_bits=budget_bits,
+        allocation=allocation,
     )
+
+
+def _check_allocation(bits: Any, allocation: Any) -> Any:
+    from tapegrad.policies._allocate import BitAllocation
+
+    if allocation is None:
+        return None
+    if bits != "auto" or isinstance(bits, bool):
+        raise ValueError(
+            f"compress: allocation= goes with bits='auto' (got bits={bits!r}); drop it."
+        )
+    if not isinstance(allocation, BitAllocation):
+        raise TypeError(
+            "compress(bits='auto'): allocation must be the BitAllocation of a fitted "
+            f"policy (policy.fit(f, *args).allocation), got {type(allocation).__name__}."
+        )
+    return allocation
 
 
 def _check_budget_bits(bits: Any, budget_bits: Any) -> float | None:
