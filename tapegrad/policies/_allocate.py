@@ -109,14 +109,14 @@ class BitAllocation:
             f"bit allocation: {self.average_bits:.2f} bits a value on average over "
             f"{self.values:,} values (budget {self.budget_bits:g}); sensitivities from "
             f"{self.samples} samples at {self.probe_bits} bits",
-            f"{'residual':<14} {'primitive':<14} {'shape':<18} {'values':>10} "
+            f"{'residual':<14} {'primitive':<20} {'shape':<22} {'values':>10} "
             f"{'sensitivity':>11} {'bits':>5}  source",
         ]
         for r in self.rows:
             bits = f"{r.bits}" + ("*" if r.fixed else "")
             shape = f"{r.dtype}{list(r.shape)}".replace(" ", "")
             lines.append(
-                f"{r.name:<14} {r.primitive:<14} {shape:<18} {r.values:>10,} "
+                f"{r.name:<14} {r.primitive:<20} {shape:<22} {r.values:>10,} "
                 f"{r.sensitivity:>11.3g} {bits:>5}  {r.source}"
             )
         if any(r.fixed for r in self.rows):
@@ -207,8 +207,12 @@ class _Probe:
         value = as_array(value, info)
         lay = lowbit_layout(value, self.bits, self.group)
         rid = np.uint32(residual_id(info))
-        packed = pack_lowbit(value, self.words, rid, bits=self.bits, lay=lay)
-        return jnp.where(self.active == i, unpack_lowbit(packed, value.dtype), value)
+
+        def rounded(v):
+            return unpack_lowbit(pack_lowbit(v, self.words, rid, bits=self.bits, lay=lay), v.dtype)
+
+        # A cond, not a select: each gradient rounds one residual, not all of them.
+        return jax.lax.cond(self.active == i, rounded, lambda v: v, value)
 
     def unpack(self, packed, info):
         return packed
