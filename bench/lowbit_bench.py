@@ -5,7 +5,9 @@
 Models: an 8-layer MLP (256 wide, batch 256) with tanh, the same with ReLU written as
 ``jnp.where(z > 0, z, 0)`` (backward keeps a boolean mask and the dot inputs, so every
 float residual is used linearly), and a small NHWC CNN (conv-ReLU x2, 32x32x3 images,
-batch 64, 16 and 32 channels, dense head). Policies: save(), bf16, int8, bits=8/4/2.
+batch 64, 16 and 32 channels, dense head). Policies: save(), bf16, int8, bits=8/4/2,
+and ``bits="auto"`` at 3 and 4 bits a value (``auto=3``, ``auto=4``: fitted on the model's
+own loss and arguments first, `Compress.fit`, 4 samples; its time is printed apart).
 
 * held: bytes that `tg.vjp`'s forward leaves alive beyond the inputs and the output,
   from `jax.live_arrays()` (what backward adds to the caller's memory); ratio = save's / it.
@@ -33,6 +35,8 @@ POLICIES = {
     "bits=8": P.compress(bits=8),
     "bits=4": P.compress(bits=4),
     "bits=2": P.compress(bits=2),
+    "auto=4": P.compress(bits="auto", budget_bits=4),
+    "auto=3": P.compress(bits="auto", budget_bits=3),
 }
 
 
@@ -111,6 +115,13 @@ def run(name, loss, args, reps):
     ref = jax.jit(jax.grad(loss, argnums=(0, 1)))(*args)
     base_b = base_t = None
     for pname, policy in POLICIES.items():
+        if getattr(policy, "bits", None) == "auto":
+            t0 = time.perf_counter()
+            policy = policy.fit(loss, *args, argnums=(0, 1))
+            fit_s = time.perf_counter() - t0
+            a = policy.allocation
+            widths = " ".join(str(r.bits) for r in a.rows)
+            print(f"  ({pname}: fit {fit_s:.1f} s, {a.average_bits:.2f} bits a value: {widths})")
         b = held(loss, args, policy)
         f = jax.jit(tg.grad(loss, argnums=(0, 1), policy=policy))
         t = step_ms(f, args, reps)

@@ -26,7 +26,7 @@ import numpy as np
 
 from tapegrad import _jax_compat as compat
 from tapegrad._tape import Record, Segment, Tape, Var
-from tapegrad.policies._base import SAVE
+from tapegrad.policies._base import SAVE, is_exact
 
 __all__ = [
     "CheckpointPolicy",
@@ -275,7 +275,7 @@ def _decide(tape: Tape, policy: Any, whole: bool, rebuild: bool) -> tuple[list[s
             fixed.append("save")
         open_.append(rec.region is None and c in (None, P.PREFER_SAVE))
     rebuilt: set[int] = set()
-    if rebuild and whole:
+    if rebuild and whole and is_exact(policy):
         rebuilt = rebuilt_records(tape, [f if f is not None else "save" for f in fixed], open_)
         for i in rebuilt:
             fixed[i] = "recompute"

@@ -771,6 +771,18 @@ def report_head(rep) -> list[str]:
         if rep.planned_seconds is not None:
             what += f"; predicted +{_us(rep.planned_seconds)} a step"
         lines.append(clip(what, WIDTH))
+    if getattr(rep, "average_bits", None) is not None:
+        counts: dict[int, int] = {}
+        for b in rep.bits.values():
+            counts[b] = counts.get(b, 0) + 1
+        widths = ", ".join(f"{n} at {b}" for b, n in sorted(counts.items()))
+        lines.append(
+            clip(
+                f"  bits: {rep.average_bits:.2f} a value on average (budget "
+                f"{rep.budget_bits:g}); residuals {widths}",
+                WIDTH,
+            )
+        )
     for note in getattr(rep, "notes", ()):
         lines.extend(
             textwrap.wrap(note, WIDTH, initial_indent="  note: ", subsequent_indent="        ")
@@ -778,7 +790,7 @@ def report_head(rep) -> list[str]:
     return lines
 
 
-def _report_lines(rows, tape, depth: int, planned: bool = False) -> list[str]:
+def _report_lines(rows, tape, depth: int, planned: bool = False, bits: bool = False) -> list[str]:
     """Report rows as text; a loop/branch record's body rows follow it, indented, each
     body under a line with its bytes per step."""
     pad = "  " * depth
@@ -799,6 +811,7 @@ def _report_lines(rows, tape, depth: int, planned: bool = False) -> list[str]:
                 src = clip(f"{m.group(1)}:{m.group(2)}", 30 - len(per))
             src = per + src
         plan = f"{clip(_planned_cell(r), 15):<15} " if planned else ""
+        plan += f"{clip(r.bits, 5):<5} " if bits else ""
         out = [
             f"{r.index:>5} {clip(pad + prim, 14):<14} {clip(saves, 12):<12} "
             f"{r.device_bytes:>11,} {r.host_bytes:>11,} {r.compressed_bytes:>10,}  {plan}{src}"
@@ -812,7 +825,7 @@ def _report_lines(rows, tape, depth: int, planned: bool = False) -> list[str]:
             label, what = _report_body_label(r, rec, b, body_rows)
             out.append(f"{'':>5} {pad}  {label}: {what}")
             body = rec.bodies[b] if rec is not None and b < len(rec.bodies) else None
-            out.extend(_report_lines(body_rows, body, depth + 1))
+            out.extend(_report_lines(body_rows, body, depth + 1, bits=bits))
         return out
 
     lines: list[str] = []
@@ -851,11 +864,15 @@ def _planned_cell(r) -> str:
 def report_text(rep) -> str:
     lines = report_head(rep)
     planned = getattr(rep, "decisions", None) is not None
+    bits = getattr(rep, "bits", None) is not None
     lines.append(
         f"{'#':>5} {'primitive':<14} {'saves':<12} {'device':>11} {'host':>11} "
-        f"{'compressed':>10}  " + (f"{'plan':<15} " if planned else "") + "source"
+        f"{'compressed':>10}  "
+        + (f"{'plan':<15} " if planned else "")
+        + (f"{'bits':<5} " if bits else "")
+        + "source"
     )
-    lines.extend(_report_lines(rep.records, rep.tape, 0, planned))
+    lines.extend(_report_lines(rep.records, rep.tape, 0, planned, bits))
     return "\n".join(line if len(line) <= WIDTH else clip(line, WIDTH) for line in lines)
 
 
@@ -900,6 +917,9 @@ def _report_rows_html(rows, tape, depth: int) -> list[str]:
         dec = report_decision(r)
         if getattr(r, "planned", ""):  # the planner's decision and its predicted cost
             dec = r.planned + (f" {r.planned_seconds * 1e6:.1f} µs" if r.planned_seconds else "")
+        cls = "d-" + dec.split("+")[-1].split(" ")[0]
+        if getattr(r, "bits", ""):  # compress(bits="auto"): the widths it packed at
+            dec = f"{dec} {r.bits} bits"
         prim = r.primitive
         if r.body and rec is not None and rec.primitive == "scan":
             prim += f" ×{rec.trip_count:,}"
@@ -908,7 +928,7 @@ def _report_rows_html(rows, tape, depth: int) -> list[str]:
             + cell(r.index, "n", r.index)
             + cell(prim, style=indent)
             + cell(saves_of(r, rec), limit=80)
-            + cell(dec, "d-" + dec.split("+")[-1].split(" ")[0])
+            + cell(dec, cls)
             + cell(f"{r.device_bytes:,}", "n", r.device_bytes)
             + cell(f"{r.host_bytes:,}", "n", r.host_bytes)
             + cell(f"{r.compressed_bytes:,}", "n", r.compressed_bytes)
@@ -999,6 +1019,15 @@ def report_html(rep) -> str:
         totals.insert(8, stat("in loop/branch bodies", loop_bytes, "loop_bytes", "all steps held"))
     if rep.plan:
         totals.append(stat("planner chose", rep.plan, "plan"))
+    if getattr(rep, "average_bits", None) is not None:
+        totals.append(
+            stat(
+                "bits a value",
+                f"{rep.average_bits:.2f}",
+                "average_bits",
+                f"budget {rep.budget_bits:g}",
+            )
+        )
     if rep.budget_bytes is not None:
         totals.append(
             stat(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +64,9 @@ class RecordMemory:
     # the seconds its cost model predicts they add to a step.
     planned: str = ""
     planned_seconds: float = 0.0
+    # Under `compress(bits="auto")`: the bit widths its residuals were packed at, read
+    # off the packed values ("2", "4+8"; the dtype's own width for one kept as it is).
+    bits: str = ""
 
     @property
     def bytes(self) -> int:
@@ -160,6 +164,12 @@ class MemoryReport:
     planned_peak_bytes: int | None = None
     measured_device_peak_bytes: int | None = None
     planned_seconds: float | None = None
+    # Under `compress(bits="auto")`: residual name (`BitAllocation.bits`'s) -> the bits
+    # it was packed at in this run, and their average over the values packed (a loop
+    # body's times its trip count), against the policy's ``budget_bits``.
+    bits: dict[str, int] | None = field(repr=False, default=None)
+    average_bits: float | None = None
+    budget_bits: float | None = None
 
     @property
     def beyond_inputs_bytes(self) -> int:
@@ -340,6 +350,29 @@ def _measure(packed, info, runs: int = 1, seen: set[int] | None = None) -> _Acc:
     return [d, h, d if comp else 0, h if comp else 0, orig]
 
 
+def _note_bits(packed, info, key, by_key: dict, named: dict) -> None:
+    """Note the bits a floating residual was packed at: a `LowBit`'s, or the dtype's own
+    width for one kept as it is (an input kept as it is: none)."""
+    from tapegrad.policies._lowbit import LowBit, residual_name
+
+    if info is None:
+        return
+    if isinstance(packed, LowBit):
+        bits = packed.bits
+    elif info.is_input or not jax.numpy.issubdtype(info.dtype, jax.numpy.floating):
+        return
+    else:
+        dts = {as_dtype(leaf.dtype) for leaf in tree_util.tree_leaves(packed)}
+        if dts != {info.dtype}:
+            return  # packed some other way (a cast, int8)
+        bits = info.dtype.itemsize * 8
+    # A set: eagerly, a scan step's carry input shares the step before's packed output
+    # (packed at that residual's width), all but the first step's.
+    by_key.setdefault(key, set()).add(bits)
+    values = int(math.prod(info.shape)) * info.trip_count
+    named.setdefault(residual_name(info), (bits, values))
+
+
 def _add(acc: _Acc, more: _Acc) -> _Acc:
     for i, v in enumerate(more):
         acc[i] += v
@@ -359,10 +392,14 @@ class _Body:
     its `_Stored` (or a checkpointed scan's `_Segmented`), summed over every body run
     (each branch of a cond apart). ``seen``: ids of the arrays counted so far."""
 
-    def __init__(self, rec: Record, seen: set[int]):
+    def __init__(self, rec: Record, seen: set[int], named: dict | None = None):
         n = len(rec.bodies)
         self.rec = rec
         self.seen = seen
+        # Bit widths read off the packed values: per branch by key, and by residual name
+        # (shared with the whole report) with the values each packs.
+        self.bits: list[dict[Any, set[int]]] = [{} for _ in range(n)]
+        self.named: dict[str, tuple[int, int]] = {} if named is None else named
         self.keys: list[dict[Any, _Acc]] = [{} for _ in range(n)]
         self.nested: list[dict[int, _Body]] = [{} for _ in range(n)]
         self.runs = [0] * n  # body runs whose residuals are held, per branch
@@ -408,13 +445,14 @@ class _Body:
                 continue  # kept once by the record itself (its own saves)
             if _is_body_key(key) and _is_loop_store(packed):
                 j = key[1]
-                nb = self.nested[b].setdefault(j, _Body(body.records[j], self.seen))
+                nb = self.nested[b].setdefault(j, _Body(body.records[j], self.seen, self.named))
                 nb.add(packed, mult)
                 continue
             if key in consts and packed is consts[key]:
                 continue  # the body's constant itself, owned by the tape
             acc = _measure(packed, infos.get(key), mult, self.seen)
             _add(self.keys[b].setdefault(key, [0] * 5), acc)
+            _note_bits(packed, infos.get(key), key, self.bits[b], self.named)
 
     def sizes(self, b: int) -> dict[Any, _Acc]:
         """Branch ``b``'s residual key -> bytes over all runs (nested bodies as one key)."""
@@ -504,9 +542,10 @@ def _rows(
     depth: int = 0,
     branch: int | None = None,
     skip=frozenset(),
+    bits: dict | None = None,
 ) -> list[RecordMemory]:
     """One row per record of ``tape`` that is charged residuals; loop/branch records'
-    rows carry their bodies' rows."""
+    rows carry their bodies' rows; ``bits`` (key -> bit width) fills their bits column."""
     by_rec, first_user = _owners(tape, sizes)
     skip = frozenset(skip)
     rows = []
@@ -531,6 +570,7 @@ def _rows(
                     depth + 1,
                     b if rec.primitive == "cond" else None,
                     forwarded_ids(rec),
+                    bm.bits[b] if bits is not None else None,
                 )
             )
         label = rec.primitive
@@ -553,6 +593,9 @@ def _rows(
                 branch,
                 body,
                 sum(bm.checkpoints[:2]) if bm is not None else 0,
+                bits="+".join(map(str, sorted(set().union(*(bits.get(k, ()) for k in keys)))))
+                if bits is not None
+                else "",
             )
         )
     return rows
@@ -598,17 +641,21 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
     sizes_acc: dict[Any, _Acc] = {}
     bodies: dict[int, _Body] = {}
     seen: set[int] = set()
+    bits: dict[Any, set[int]] = {}
+    named: dict[str, tuple[int, int]] = {}
     for key, packed in res.store.items():
         if key in const_ids:
             continue  # constants belong to the tape, not to the residuals
         if not (_is_body_key(key) and _is_loop_store(packed)):
             sizes_acc[key] = _measure(packed, res.infos.get(key), 1, seen)
+            _note_bits(packed, res.infos.get(key), key, bits, named)
     for key, packed in res.store.items():  # loops last: what they share is counted once
         if _is_body_key(key) and _is_loop_store(packed):
-            bm = bodies[key[1]] = _Body(tape.records[key[1]], seen)
+            bm = bodies[key[1]] = _Body(tape.records[key[1]], seen, named)
             bm.add(packed)
             sizes_acc[key] = bm.total()
-    rows = _rows(tape, sizes_acc, bodies)
+    auto = _auto_of(policy)
+    rows = _rows(tape, sizes_acc, bodies, bits=bits if auto is not None else None)
     by_rec, _ = _owners(tape, sizes_acc)
     sizes = {k: a[0] + a[1] for k, a in sizes_acc.items()}
     # by kind (device, host, compressed): compressed residuals count as compressed
@@ -768,7 +815,33 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
         planner.last.get("peak_bytes") if planner is not None else None,
         measured_dev,
         planner.last.get("time_s") if planner is not None else None,
+        {n: b for n, (b, _) in named.items()} if auto is not None else None,
+        _average_bits(named, auto),
+        auto.budget_bits if auto is not None else None,
     )
+
+
+def _auto_of(policy: Any) -> Any:
+    """The `compress(bits="auto")` policy packing the residuals (it or one it wraps)."""
+    from tapegrad.policies.compress import Compress
+
+    for _ in range(8):
+        if isinstance(policy, Compress):
+            return policy if policy.bits == "auto" else None
+        policy = getattr(policy, "base", None)
+    return None
+
+
+def _average_bits(named: dict, auto: Any) -> float | None:
+    """Bits a value over the residuals the allocation budgets (all it packed, when it
+    has none), as packed in this run."""
+    if auto is None:
+        return None
+    alloc = getattr(auto, "allocation", None)
+    fixed = {r.name for r in alloc.rows if r.fixed} if alloc is not None else set()
+    got = [bv for n, bv in named.items() if n not in fixed]
+    n = sum(v for _, v in got)
+    return sum(b * v for b, v in got) / n if n else None
 
 
 def _with_decisions(row: RecordMemory, keys: Any, decisions: dict) -> RecordMemory:

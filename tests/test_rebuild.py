@@ -126,3 +126,24 @@ def test_a_value_whose_operand_is_not_kept_is_kept():
     by_prim = {r.primitive: r for r in tape.records}
     assert by_prim["exp"].decision == "save" and by_prim["sub"].decision == "save"
     assert by_prim["tanh"].decision == "save"
+
+
+def test_only_exact_policies_rebuild():
+    # Rebuilt from rounded operands, a value compress keeps exact (a divisor, under low
+    # bits) would come back rounded: lossy policies keep every value instead.
+    p, x = params(), rand((8, 16), seed=0)
+
+    def n_rebuilt(policy):
+        tape = tg.trace(block, argnums=(0, 1), policy=policy)(p, x)
+        return sum(r.decision == "recompute" for r in tape.records)
+
+    assert n_rebuilt(None) == n_rebuilt(tg.policies.offload()) == 6
+    assert n_rebuilt(tg.selective(lambda r: P.PREFER_SAVE)) == 6
+    assert n_rebuilt(tg.policies.budget(bytes=1 << 30)) == 6
+    for lossy in (
+        tg.policies.compress(bits=2),
+        tg.policies.compress(jnp.bfloat16),
+        tg.policies.route(lambda i: tg.policies.save()),
+        tg.policies.hooks(lambda v: v, lambda v: v),
+    ):
+        assert n_rebuilt(lossy) == 0, lossy

@@ -3,6 +3,7 @@
 A policy is any object with ``pack(value, info)`` and ``unpack(packed, info)``.
 """
 
+from tapegrad.policies._allocate import BitAllocation
 from tapegrad.policies._base import (
     ResidualInfo,
     ResidualPolicy,
@@ -21,6 +22,7 @@ from tapegrad.policies.loops import ScanCheckpoint, scan_checkpoint
 from tapegrad.policies.offload import Offload, offload
 
 __all__ = [
+    "BitAllocation",
     "Budget",
     "BudgetError",
     "CostModel",

@@ -112,6 +112,8 @@ class ResidualPolicy(Protocol):
 class Save:
     """Keep residuals on device as they are: no copy, no extra op."""
 
+    exact = True
+
     def pack(self, value, info):
         return value
 
@@ -133,6 +135,25 @@ def is_plain(policy: Any) -> bool:
             return False
         policy = policy.base
     return policy is SAVE
+
+
+def is_exact(policy: Any) -> bool:
+    """True when ``unpack`` gives back exactly the values ``pack`` was given: `save()`,
+    `offload()`, and wrappers of them. A policy says so with ``exact = True``; one that
+    does not (`compress`, hooks, `route`) is taken to change values. Backward rebuilds
+    values from kept ones only under an exact policy (`_checkpoint.rebuilt_records`):
+    rebuilt from rounded operands, a value the policy itself would keep exact (a
+    divisor, under low-bit compression) would come back rounded."""
+    if policy is None:
+        return True
+    while True:
+        exact = getattr(policy, "exact", None)
+        if exact is not None:
+            return bool(exact)
+        if hasattr(policy, "base") and not getattr(policy, "packs", False):
+            policy = policy.base
+            continue
+        return False
 
 
 def packs_inputs(policy: Any) -> bool:

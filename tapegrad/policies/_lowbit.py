@@ -58,6 +58,8 @@ __all__ = [
     "unpack_lowbit",
     "lowbit_layout",
     "residual_id",
+    "residual_name",
+    "residual_path",
     "key_words",
     "read_through_a_pole",
 ]
@@ -102,20 +104,39 @@ def packed_nbytes(lay: Layout, bits: int, dtype) -> int:
     return rows * lay.groups * (lay.size * bits // 8 + 2 * stats)
 
 
-def residual_id(info):
-    """A uint32 naming a residual within one traced function (FNV-1a over the indices
-    of the loop records it runs in, its record's, and which of the record's values it
-    is), then mixed with its step in each enclosing loop (``info.steps``: traced
-    inside a traced scan, so the result is then a traced uint32). A traced argument of
-    the packing, not a static one: one compile serves every residual and every step."""
-    ids = [int(getattr(r, "index", 0)) for r in getattr(info, "loops", ())]
+def residual_path(info) -> tuple:
+    """Which residual ``info`` describes, the same in every trace of one function: the
+    indices of the loop records it runs in, its record's index, which of the record's
+    values (``"in"`` / ``"out"`` / ``"aux"``, index). A value several records keep is
+    packed once, with its first saver's info, so it has one path."""
+    path: list = [int(getattr(r, "index", 0)) for r in getattr(info, "loops", ())]
     rec, saved = getattr(info, "record", None), getattr(info, "saved", None)
     if rec is not None:
-        ids.append(int(rec.index))
+        path.append(int(rec.index))
     if saved is not None:
-        ids += [_KINDS.get(saved.kind, 2), int(saved.index)]
+        path += [saved.kind, int(saved.index)]
+    return tuple(path)
+
+
+def residual_name(info) -> str:
+    """`residual_path` as text: ``#3 out0``, or ``#5/#2 in1`` for record #2 of the body
+    of loop record #5."""
+    path = residual_path(info)
+    if len(path) < 3 or not isinstance(path[-2], str):
+        return "/".join(f"#{i}" for i in path)
+    recs = "/".join(f"#{i}" for i in path[:-2])
+    return f"{recs} {path[-2]}{path[-1]}"
+
+
+def residual_id(info):
+    """A uint32 naming a residual within one traced function (FNV-1a over its
+    `residual_path`), then mixed with its step in each enclosing loop (``info.steps``:
+    traced inside a traced scan, so the result is then a traced uint32). A traced
+    argument of the packing, not a static one: one compile serves every residual and
+    every step."""
     h = 0x811C9DC5
-    for i in ids:
+    for i in residual_path(info):
+        i = _KINDS.get(i, 2) if isinstance(i, str) else i
         h = ((h ^ (i & 0xFFFFFFFF)) * 0x01000193) & 0xFFFFFFFF
     out: Any = np.uint32(h)
     for t in getattr(info, "steps", ()):

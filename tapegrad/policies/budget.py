@@ -157,7 +157,7 @@ class Budget:
         max_error: str | None = None,
         costs: Any = None,
     ):
-        from tapegrad.policies._base import SAVE
+        from tapegrad.policies._base import SAVE, is_exact
 
         if bytes < 0:
             raise ValueError(f"budget: bytes must be >= 0, got {bytes}")
@@ -170,6 +170,9 @@ class Budget:
         self.mechanisms = _mechanisms(self.allow, self.max_error)
         # Not a plain policy once residuals may be moved or shrunk (see _base.is_plain).
         self.packs = bool(self.mechanisms)
+        # Values backward rebuilds (`_checkpoint.rebuilt_records`) are part of the plan; a
+        # rebuild from a bf16/int8 operand errs within the class max_error admits.
+        self.exact = is_exact(self.base)
         self.prefetch = 1 if "offload" in self.mechanisms else getattr(self.base, "prefetch", 0)
         self.last: dict[str, Any] = {}
         # Plans by tape structure: tg.grad, memory_report and jit of one function

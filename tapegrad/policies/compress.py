@@ -21,6 +21,7 @@ double quantization does: 17 bytes per 16 float32 values, ~0.27x.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -198,8 +199,8 @@ def _unpack_scaled(packed: Int8, dtype):
 
 
 def _check_bits_args(bits, group, key, axis, block_size) -> None:
-    if isinstance(bits, bool) or bits not in BITS:
-        raise ValueError(f"compress: bits must be one of {BITS}, got {bits!r}.")
+    if isinstance(bits, bool) or not (bits in BITS or bits == "auto"):
+        raise ValueError(f"compress: bits must be one of {BITS} or 'auto', got {bits!r}.")
     if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or group < 1:
         raise ValueError(f"compress(bits={bits}): group must be a positive int, got {group!r}.")
     if axis is not None or not (isinstance(block_size, str) and block_size == "auto"):
@@ -229,13 +230,19 @@ class Compress:
         block_size: Any = "auto",
         inputs: bool = False,
         *,
-        bits: int | None = None,
+        bits: int | str | None = None,
         group: int = DEFAULT_GROUP,
         key: Any = None,
+        budget_bits: float | None = None,
+        allocation: Any = None,
     ):
         self.inputs = bool(inputs)
         self.bits, self.group, self.key = bits, group, key
         self.dtype: Any = None
+        self.allocation = _check_allocation(bits, allocation)
+        if budget_bits is None and allocation is not None:
+            budget_bits = allocation.budget_bits
+        self.budget_bits = _check_budget_bits(bits, budget_bits)
         if bits is not None:
             if dtype is not None:
                 raise ValueError(
@@ -290,6 +297,65 @@ class Compress:
         target = 1 if self.int8 else self.dtype.itemsize
         return target < dt.itemsize
 
+    def fit(
+        self,
+        fun: Any,
+        *args: Any,
+        argnums: int | Sequence[int] = 0,
+        samples: int = 4,
+        probe_bits: int = 2,
+        seed: int = 0,
+    ) -> Compress:
+        """This ``bits="auto"`` policy with a bit width per residual of ``fun(*args)``:
+        a new policy (this one is left as it is), for `tg.grad(fun, argnums, policy=...)`
+        of the same function, eagerly, under `jax.jit`, `jax.vmap` or in a scan.
+
+        Each residual is rounded alone at ``probe_bits`` under ``samples`` keys (one
+        compiled program, ``len(residuals) * samples`` gradients of ``fun``); its mean
+        squared distance from the exact gradient gives its sensitivity, and the widths
+        (2, 4, 8 bits or kept as it is) minimise the predicted gradient error under
+        ``budget_bits`` a value on average (`tapegrad.policies._allocate`). The result's
+        ``allocation`` says what was chosen (``print`` it; ``.bits`` maps residual names
+        to widths); `tg.memory_report` shows each row's bits.
+        """
+        from tapegrad.policies._allocate import fit_allocation
+
+        if self.bits != "auto":
+            raise ValueError(f"{self!r}.fit: only compress(bits='auto', ...) is fitted.")
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+            raise ValueError(f"compress.fit: samples must be a positive int, got {samples!r}.")
+        if probe_bits not in BITS:
+            raise ValueError(f"compress.fit: probe_bits must be one of {BITS}, got {probe_bits!r}.")
+        alloc = fit_allocation(
+            self, fun, args, argnums, float(self.budget_bits or 0), samples, probe_bits, seed
+        )
+        return Compress(
+            bits="auto",
+            group=self.group,
+            key=self.key,
+            inputs=self.inputs,
+            budget_bits=self.budget_bits,
+            allocation=alloc,
+        )
+
+    def _auto_bits(self, info) -> int:
+        from tapegrad.policies._lowbit import residual_name
+
+        if self.allocation is None:
+            raise ValueError(
+                f"{self!r} has no bit allocation yet: call policy = policy.fit(f, *args, "
+                "argnums=...) with the function you differentiate (a few gradients of it "
+                "measure each residual's sensitivity), then use the policy it returns."
+            )
+        name = residual_name(info)
+        bits = self.allocation.bits.get(name)
+        if bits is None:
+            raise ValueError(
+                f"compress(bits='auto'): residual {name}, {info}, was not seen by fit(); "
+                "fit the policy on the function (and argnums) you differentiate with it."
+            )
+        return bits
+
     def pack(self, value, info):
         if not self._applies(info):
             return value
@@ -297,12 +363,15 @@ class Compress:
         if self.bits is not None:
             if read_through_a_pole(info):
                 return value  # backward divides by it: rounding would bias the gradient
-            lay = lowbit_layout(value, self.bits, self.group)
-            if packed_nbytes(lay, self.bits, value.dtype) >= info.nbytes:
+            bits = self._auto_bits(info) if self.bits == "auto" else self.bits
+            if bits >= np.dtype(value.dtype).itemsize * 8:
+                return value  # the allocation keeps it as it is
+            lay = lowbit_layout(value, bits, self.group)
+            if packed_nbytes(lay, bits, value.dtype) >= info.nbytes:
                 return value  # a few values: min and scale would cost more than they save
             words = key_words(0 if self.key is None else self.key)
             rid = residual_id(info)
-            return pack_lowbit(value, words, rid, bits=self.bits, lay=lay)
+            return pack_lowbit(value, words, rid, bits=bits, lay=lay)
         if not self.int8:
             if jnp.issubdtype(self.dtype, jnp.floating) and self.dtype.itemsize == 1:
                 # float8 has no inf; saturate instead of overflowing to NaN.
@@ -326,14 +395,20 @@ class Compress:
 
     def __repr__(self) -> str:
         if self.bits is not None:
-            args = [f"bits={self.bits}"]
+            args = [f"bits={self.bits!r}"]
+            if self.budget_bits is not None:
+                args.append(f"budget_bits={self.budget_bits:g}")
             if self.group != DEFAULT_GROUP:
                 args.append(f"group={self.group}")
             if self.key is not None:
                 args.append(f"key={self.key!r}" if isinstance(self.key, int) else "key=...")
             if self.inputs:
                 args.append("inputs=True")
-            return f"compress({', '.join(args)})"
+            text = f"compress({', '.join(args)})"
+            if self.allocation is not None:
+                a = self.allocation
+                text += f".fit(...): {a.average_bits:.2f} bits a value over {len(a.rows)} residuals"
+            return text
         name = "int8" if self.int8 else self.dtype.name
         extra = ""
         if self.axis is not None:
@@ -349,7 +424,9 @@ def compress(
     dtype: Any = None,
     axis: int | None = None,
     *,
-    bits: int | None = None,
+    bits: int | str | None = None,
+    budget_bits: float | None = None,
+    allocation: Any = None,
     group: int = DEFAULT_GROUP,
     key: Any = None,
     block_size: Any = "auto",
@@ -375,6 +452,14 @@ def compress(
     exact: the mean of ``1 / x`` over a rounding is not ``1 / x``, so rounding them would
     bias the gradient.
 
+    ``bits="auto", budget_bits=3.0``: a width per residual (2, 4, 8 bits, or kept as it
+    is) averaging at most ``budget_bits`` a value, more bits where the gradient is more
+    sensitive to rounding (GACT). The widths are measured on your function first:
+    ``policy = compress(bits="auto", budget_bits=3.0).fit(loss, params, x)`` (see
+    `Compress.fit`); an unfitted ``"auto"`` policy raises ``ValueError`` when it packs.
+    ``allocation=`` reuses a fitted one's (``policy.allocation``), e.g. with a key that
+    changes every step: ``compress(bits="auto", allocation=alloc, key=step_key)``.
+
     Groups and blocks run along rows and never cross a shard: packed residuals keep
     the sharding of the value they stand for, and gradients keep jax.grad's.
 
@@ -387,4 +472,54 @@ def compress(
     tg.grad(loss, policy=tg.policies.compress(bits=2, key=jax.random.key(1)))(w, x)
     ```
     """
-    return Compress(dtype, axis, block_size, inputs, bits=bits, group=group, key=key)
+    return Compress(
+        dtype,
+        axis,
+        block_size,
+        inputs,
+        bits=bits,
+        group=group,
+        key=key,
+        budget_bits=budget_bits,
+        allocation=allocation,
+    )
+
+
+def _check_allocation(bits: Any, allocation: Any) -> Any:
+    from tapegrad.policies._allocate import BitAllocation
+
+    if allocation is None:
+        return None
+    if bits != "auto" or isinstance(bits, bool):
+        raise ValueError(
+            f"compress: allocation= goes with bits='auto' (got bits={bits!r}); drop it."
+        )
+    if not isinstance(allocation, BitAllocation):
+        raise TypeError(
+            "compress(bits='auto'): allocation must be the BitAllocation of a fitted "
+            f"policy (policy.fit(f, *args).allocation), got {type(allocation).__name__}."
+        )
+    return allocation
+
+
+def _check_budget_bits(bits: Any, budget_bits: Any) -> float | None:
+    if bits != "auto" or isinstance(bits, bool):
+        if budget_bits is not None:
+            raise ValueError(
+                f"compress: budget_bits= goes with bits='auto' (got bits={bits!r}); drop it "
+                "or ask for bits='auto'."
+            )
+        return None
+    if budget_bits is None:
+        raise ValueError(
+            "compress(bits='auto'): give budget_bits=, the average bits a value to spend "
+            "(at least 2), e.g. compress(bits='auto', budget_bits=3.0)."
+        )
+    if isinstance(budget_bits, bool) or not isinstance(budget_bits, (int, float, np.number)):
+        raise ValueError(f"compress: budget_bits must be a number, got {budget_bits!r}.")
+    if not np.isfinite(budget_bits) or budget_bits < BITS[0]:
+        raise ValueError(
+            f"compress: budget_bits must be at least {BITS[0]} (every residual at "
+            f"{BITS[0]} bits), got {budget_bits!r}."
+        )
+    return float(budget_bits)

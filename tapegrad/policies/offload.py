@@ -29,6 +29,7 @@ class Offload:
     """Move residuals to ``memory_kind`` in forward and back to the device in backward."""
 
     prefetch = 1  # the interpreter starts bringing the next record's residuals back early
+    exact = True  # values come back bit for bit
 
     def __init__(self, memory_kind: str = "pinned_host", min_bytes: int = 0, inputs: bool = False):
         if memory_kind not in ("pinned_host", "unpinned_host"):

@@ -162,11 +162,11 @@ def test_measured_peak_never_rises_as_the_budget_tightens(mlp_model):
     assert all(b <= a for a, b in zip(peaks, peaks[1:])), peaks
 
 
-def _single(f, args, column: int, costs: CostModel) -> tuple[float, int]:
+def _single(f, args, column: int, costs: CostModel, policy) -> tuple[float, int]:
     """(predicted seconds, predicted peak) of one mechanism applied to every residual;
-    the seconds include rebuilding the values every policy rebuilds in backward
+    the seconds include rebuilding the values an exact policy rebuilds in backward
     (`_checkpoint.rebuilt_records`)."""
-    tape = tg.trace(f, argnums=0)(*args)
+    tape = tg.trace(f, argnums=0, policy=policy)(*args)
     tl = joint.timeline(tape, prefetch=1 if column == 1 else 0)
     opts = joint.options(tl, (joint.COLUMNS[column],), costs)
     choice = np.where(opts.valid[:, column], column, 0)
@@ -183,7 +183,7 @@ def test_plan_is_on_or_below_the_pareto_front_of_single_policies(model, mlp_mode
         ("offload", 1, P.offload()),
         ("bf16", 2, P.compress(jnp.bfloat16)),
     ]:
-        secs, peak = _single(f, args, col, COSTS)
+        secs, peak = _single(f, args, col, COSTS, pol)
         assert abs(measured_peak(f, args, pol) - peak) <= 0.05 * peak, name
         points[name] = (secs, peak)
     cps = jax.checkpoint_policies
