@@ -52,6 +52,11 @@ class NoKey(Exception):
 
 
 _PLAIN = (str, type(None))
+# Placement params of a nested jit inside a sub-jaxpr (a custom_jvp call's body): jax
+# hashes and compares these by value.
+_JAX_VALUES = frozenset(
+    {"UnspecifiedValue", "Mesh", "AbstractMesh", "NamedSharding", "PartitionSpec"}
+)
 _NUMBERS = (int, bool)
 
 
@@ -74,10 +79,15 @@ def value_key(v: Any) -> Any:
         return (t, repr(v))
     if isinstance(v, (Jaxpr, ClosedJaxpr)):  # cond branches, scan bodies, scatter combiners
         return _jaxpr_key(v)
+    if t.__name__ in _JAX_VALUES:  # compared by value, as jax's own jit cache keys them
+        return (t, v)
+    fused_key = getattr(v, "fused_key", None)  # a rule's own structure (custom_jvp_rule)
+    if fused_key is not None:
+        return (t, fused_key())
     raise NoKey
 
 
-def _array_key(value: Any) -> tuple:
+def array_key(value: Any) -> tuple:
     a = np.asarray(value)
     if a.size > 16:
         raise NoKey
@@ -101,20 +111,28 @@ def _jaxpr_key(j: Any) -> tuple:
 
     def use(v) -> Any:
         if isinstance(v, Literal):
-            return ("lit", _array_key(v.val), str(v.aval))
+            return ("lit", array_key(v.val), str(v.aval))
         return ids[v]
 
     ins = tuple(define(v) for v in j.invars)
     eqns = tuple(
         (
             e.primitive,
-            tuple((k, value_key(p)) for k, p in e.params.items()),
+            tuple((k, value_key(p)) for k, p in e.params.items() if not _unused(e, k)),
             tuple(use(v) for v in e.invars),
             tuple(define(v) for v in e.outvars),
         )
         for e in j.eqns
     )
     return ("jaxpr", ins, eqns, tuple(use(v) for v in j.outvars))
+
+
+def _unused(eqn: Any, param: str) -> bool:
+    """A param the compiled call never runs: a custom_jvp call's JVP rule is used only by
+    a differentiation of the call, and nothing differentiates inside the compiled
+    forward+backward (its backward is the tape's own; `custom_jvp_rule` records carry
+    the rule traced into jaxprs, keyed in full)."""
+    return param == "jvp_jaxpr_fun" and eqn.primitive.name == "custom_jvp_call"
 
 
 def _operand_key(i: Any) -> Any:
@@ -163,6 +181,8 @@ def _compute_record_key(rec: Record, rule: Any) -> tuple:
     prim = rec.prim
     if prim is None or getattr(prim, "effectful", False):
         raise NoKey
+    if rec.rule == "none" and rec.primitive == "custom_jvp_rule":
+        raise NoKey  # not in backward: it binds the user's custom_jvp call as written
     bodies = _runs_bodies(rec)
     return (
         prim,

@@ -235,3 +235,43 @@ def test_record_keys_are_computed_once_and_follow_a_redefined_rule(monkeypatch):
     x = rand((3,), seed=2)
     f = lambda x: jnp.sum(jnp.sin(x) * 2.0)  # noqa: E731
     assert_trees_close(tg.grad(f)(x), jax.grad(f)(x))
+
+
+def _scaled_relu(scale):
+    """relu whose JVP rule scales the tangent: same primal, a rule of one's own."""
+
+    @jax.custom_jvp
+    def f(x):
+        return jnp.maximum(x, 0.0)
+
+    @f.defjvp
+    def f_jvp(primals, tangents):
+        (x,), (t,) = primals, tangents
+        return f(x), jnp.where(x > 0, scale * t, 0.0)
+
+    return f
+
+
+def test_custom_jvp_calls_take_the_fused_path_keyed_by_their_rule(compile_at_once):
+    """A custom_jvp call is expanded at trace time into jaxprs (its rule's primal and
+    transposed linear part), so it is keyed by their structure: jax.nn.relu, inside a
+    scan too, runs as one compiled call, and two rules with one primal never share one."""
+
+    def stack(ws, x):
+        def step(h, w):
+            return h + jax.nn.relu(h @ w), None
+
+        return jnp.sum(jax.lax.scan(step, x, ws)[0] ** 2)
+
+    ws, x = rand((3, 6, 6), seed=1) / 3, rand((4, 6), seed=2)
+    for _ in range(2):
+        assert_trees_close(
+            tg.grad(stack, argnums=(0, 1))(ws, x), jax.grad(stack, argnums=(0, 1))(ws, x)
+        )
+    assert compile_at_once == [True, True]
+    for scale in (1.0, 3.0, 3.0):
+        g = _scaled_relu(scale)
+        f = lambda x, g=g: jnp.sum(g(x * 2.0) ** 2)  # noqa: E731
+        assert_trees_close(tg.grad(f)(x), jax.grad(f)(x))
+    assert all(compile_at_once)
+    assert len(_fused._COMPILED) == 3  # the scan, and one per rule

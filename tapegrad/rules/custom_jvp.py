@@ -123,6 +123,30 @@ class Expansion:
     def __repr__(self) -> str:
         return "…"
 
+    def fused_key(self) -> tuple:
+        """A structural key for `_fused` (one compiled forward+backward per structure):
+        what a record's forward and backward run -- the primal part, the residuals'
+        sources, the transposed linear part -- all jaxprs traced once from the user's
+        rule, so no user code runs in backward. Raises `_fused.NoKey` when a part holds
+        constants (values must not be baked into a compiled call)."""
+        from tapegrad._fused import array_key, value_key
+
+        lin = self.linear
+        outs = tuple(
+            None if f is None else (f[0], f[1].name, array_key(f[2])) for f in self.from_output
+        )
+        return (
+            "custom_jvp_rule",
+            value_key(self.primal),
+            self.refs,
+            value_key(lin.lt),
+            lin.n_res,
+            lin.tangent_of,
+            lin.ct_of,
+            self.call_params["num_consts"],
+            outs,
+        )
+
 
 def _name_of(params) -> str:
     debug = getattr(params["call_jaxpr"].jaxpr, "debug_info", None)
