@@ -237,11 +237,12 @@ def _plan_bodies(tape: Tape, policy: Any) -> Tape:
     return dataclasses.replace(tape, records=tuple(records))
 
 
-def decide_records(tape: Tape, policy: Any, whole: bool = True, rebuild: bool = True) -> list[str]:
+def decide_records(tape: Tape, policy: Any, whole: bool = True) -> list[str]:
     """Each record's decision; ``whole=False`` for a loop body, which a whole-tape
     planner (`budget`) does not plan: only binding per-record choices apply there.
-    ``rebuild``: values backward can rebuild for free are recomputed (`rebuilt_records`)."""
-    return _decide(tape, policy, whole, rebuild)[0]
+    A whole tape's values that backward can rebuild for free are recomputed
+    (`rebuilt_records`)."""
+    return _decide(tape, policy, whole, rebuild=True)[0]
 
 
 def _decide(tape: Tape, policy: Any, whole: bool, rebuild: bool) -> tuple[list[str], set[int]]:
@@ -328,15 +329,13 @@ def rebuilt_records(tape: Tape, decisions: Sequence[str], open_: Sequence[bool])
     for rec in tape.records:
         for o in rec.outputs:
             producer[o.id] = rec
-    saved: set[int] = set()
-    for rec in tape.records:
-        if rec.rule == "none":
-            continue
-        for s in rec.saves:
-            if s.kind != "aux":
-                v = rec.inputs[s.index] if s.kind == "in" else rec.outputs[s.index]
-                if isinstance(v, Var):
-                    saved.add(v.id)
+    saved = {
+        rec.residual_key(s)
+        for rec in tape.records
+        if rec.rule != "none"
+        for s in rec.saves
+        if s.kind != "aux"
+    }
     outputs = {o.id for o in tape.outputs if isinstance(o, Var)}
     rebuilt: set[int] = set()
     for rec in tape.records:

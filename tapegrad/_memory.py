@@ -396,10 +396,11 @@ class _Body:
         n = len(rec.bodies)
         self.rec = rec
         self.seen = seen
-        # Bit widths read off the packed values: per branch by key, and by residual name
-        # (shared with the whole report) with the values each packs.
+        # Under compress(bits="auto") (``named`` given, shared with the whole report): bit
+        # widths read off the packed values, per branch by key, and by residual name with
+        # the values each packs.
         self.bits: list[dict[Any, set[int]]] = [{} for _ in range(n)]
-        self.named: dict[str, tuple[int, int]] = {} if named is None else named
+        self.named = named
         self.keys: list[dict[Any, _Acc]] = [{} for _ in range(n)]
         self.nested: list[dict[int, _Body]] = [{} for _ in range(n)]
         self.runs = [0] * n  # body runs whose residuals are held, per branch
@@ -452,7 +453,8 @@ class _Body:
                 continue  # the body's constant itself, owned by the tape
             acc = _measure(packed, infos.get(key), mult, self.seen)
             _add(self.keys[b].setdefault(key, [0] * 5), acc)
-            _note_bits(packed, infos.get(key), key, self.bits[b], self.named)
+            if self.named is not None:
+                _note_bits(packed, infos.get(key), key, self.bits[b], self.named)
 
     def sizes(self, b: int) -> dict[Any, _Acc]:
         """Branch ``b``'s residual key -> bytes over all runs (nested bodies as one key)."""
@@ -641,20 +643,22 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
     sizes_acc: dict[Any, _Acc] = {}
     bodies: dict[int, _Body] = {}
     seen: set[int] = set()
+    # Under compress(bits="auto"): the bit widths read off the packed values.
+    auto = _auto_of(policy)
     bits: dict[Any, set[int]] = {}
-    named: dict[str, tuple[int, int]] = {}
+    named: dict[str, tuple[int, int]] | None = {} if auto is not None else None
     for key, packed in res.store.items():
         if key in const_ids:
             continue  # constants belong to the tape, not to the residuals
         if not (_is_body_key(key) and _is_loop_store(packed)):
             sizes_acc[key] = _measure(packed, res.infos.get(key), 1, seen)
-            _note_bits(packed, res.infos.get(key), key, bits, named)
+            if named is not None:
+                _note_bits(packed, res.infos.get(key), key, bits, named)
     for key, packed in res.store.items():  # loops last: what they share is counted once
         if _is_body_key(key) and _is_loop_store(packed):
             bm = bodies[key[1]] = _Body(tape.records[key[1]], seen, named)
             bm.add(packed)
             sizes_acc[key] = bm.total()
-    auto = _auto_of(policy)
     rows = _rows(tape, sizes_acc, bodies, bits=bits if auto is not None else None)
     by_rec, _ = _owners(tape, sizes_acc)
     sizes = {k: a[0] + a[1] for k, a in sizes_acc.items()}
@@ -815,7 +819,7 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
         planner.last.get("peak_bytes") if planner is not None else None,
         measured_dev,
         planner.last.get("time_s") if planner is not None else None,
-        {n: b for n, (b, _) in named.items()} if auto is not None else None,
+        {n: b for n, (b, _) in named.items()} if named is not None else None,
         _average_bits(named, auto),
         auto.budget_bits if auto is not None else None,
     )
@@ -832,10 +836,10 @@ def _auto_of(policy: Any) -> Any:
     return None
 
 
-def _average_bits(named: dict, auto: Any) -> float | None:
+def _average_bits(named: dict | None, auto: Any) -> float | None:
     """Bits a value over the residuals the allocation budgets (all it packed, when it
     has none), as packed in this run."""
-    if auto is None:
+    if auto is None or named is None:
         return None
     alloc = getattr(auto, "allocation", None)
     fixed = {r.name for r in alloc.rows if r.fixed} if alloc is not None else set()

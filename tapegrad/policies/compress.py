@@ -46,6 +46,7 @@ from tapegrad.policies._lowbit import (
     packed_nbytes,
     read_through_a_pole,
     residual_id,
+    residual_name,
     unpack_lowbit,
 )
 
@@ -339,8 +340,6 @@ class Compress:
         )
 
     def _auto_bits(self, info) -> int:
-        from tapegrad.policies._lowbit import residual_name
-
         if self.allocation is None:
             raise ValueError(
                 f"{self!r} has no bit allocation yet: call policy = policy.fit(f, *args, "
