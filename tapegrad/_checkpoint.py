@@ -77,7 +77,10 @@ class Selective:
     def __init__(self, fn: Callable[[Record], Any], base: Any = None):
         self.fn = fn
         self.base = SAVE if base is None else base
-        self.prefetch = getattr(self.base, "prefetch", 0)
+
+    @property
+    def prefetch(self) -> int | str:
+        return getattr(self.base, "prefetch", 0)  # read now: a budget sets it as it plans
 
     def choose(self, record: Record) -> CheckpointPolicy:
         return _as_policy(self.fn(record))

@@ -28,6 +28,7 @@ from tapegrad._loops import loop_backward, loop_forward
 from tapegrad._tape import Lit, Record, Saved, Segment, Tape, Var, as_dtype
 from tapegrad.errors import ResidualError, where
 from tapegrad.policies._base import SAVE, ResidualInfo, is_plain, packs_inputs
+from tapegrad.policies._cost import resolve_prefetch
 from tapegrad.rules import FALLBACK, Res, lookup
 
 __all__ = ["Residuals", "forward", "backward"]
@@ -510,12 +511,13 @@ def backward(
             release(v.id)
 
     order = [rec for rec in reversed(tape.records) if rec.rule != "none"]
-    prefetch = 0 if plain else int(getattr(res.policy, "prefetch", 0) or 0)
+    prefetch = 0 if plain else resolve_prefetch(res.policy, tape)
     for n, rec in enumerate(order):
         keys = res.keys.get(rec.index, ())
         if prefetch:
             # Start bringing the next records' residuals back now: jax dispatch is
-            # asynchronous, so the copies overlap this record's compute.
+            # asynchronous, so the copies overlap the compute of the records between
+            # (``prefetch`` of them: `_cost.prefetch_depth` for offload's "auto").
             for nxt in order[n + 1 : n + 1 + prefetch]:
                 for s, key in zip(nxt.saves, res.keys.get(nxt.index, ())):
                     if key not in unpacked and key in store:

@@ -340,7 +340,7 @@ class Segment:
     prevent_cse: bool = True
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)
 class Tape:
     """An immutable list of `Record`s, with the tape's inputs, constants and outputs.
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,8 @@ __all__ = [
     "compressed_nbytes",
     "default_costs",
     "device_nbytes",
+    "prefetch_depth",
+    "resolve_prefetch",
 ]
 
 # Lossless first; ``max_error=c`` allows every class up to c.
@@ -167,6 +170,61 @@ def device_nbytes(var: Any) -> int:
     from tapegrad._tape import device_nbytes as nbytes
 
     return nbytes(tuple(var.shape), var.dtype, getattr(var, "sharding", None))
+
+
+# The deepest lookahead `prefetch_depth` picks: each record ahead holds its residuals'
+# device copies that much earlier.
+MAX_PREFETCH = 8
+
+
+def prefetch_depth(tape: Any, costs: CostModel | None = None) -> int:
+    """How many records ahead backward brings offloaded residuals back, so that each
+    host -> device copy overlaps compute instead of waiting for it.
+
+    A record's copy is hidden when the backward compute of the records that run
+    before it (in backward order, ~2x their forward `budget.record_flops`) lasts as
+    long as the copy of its operands and outputs (what it may keep; the tape's own
+    inputs stay on device). The depth is the least k that hides every record's copy
+    behind its k predecessors, at least 1 and at most `MAX_PREFETCH`; a record that
+    no lookahead can hide (the first records of backward, with nothing before them)
+    does not count. Depends on the records alone (shapes, primitives), so the
+    planner's timeline and the interpreter agree on a planned or unplanned tape.
+    """
+    from tapegrad.policies.budget import record_flops
+
+    costs = costs or default_costs()
+    memo = _DEPTHS.setdefault(tape, {})
+    if costs in memo:
+        return memo[costs]
+    free = {v.id for v in tape.inputs} | {v.id for v, _ in tape.consts}
+    order = [r for r in reversed(tape.records) if r.rule != "none"]
+    compute = [2.0 * record_flops(r) / costs.flops_per_s for r in order]
+    depth = 1
+    for m, rec in enumerate(order):
+        vals = {v.id: v for v in (*rec.inputs, *rec.outputs) if hasattr(v, "id")}
+        nbytes = sum(device_nbytes(v) for i, v in vals.items() if i not in free)
+        need = nbytes / costs.h2d_bytes_per_s
+        covered = 0.0
+        for k in range(1, min(m, MAX_PREFETCH) + 1):
+            covered += compute[m - k]
+            if covered >= need:
+                depth = max(depth, k)
+                break
+    memo[costs] = depth
+    return depth
+
+
+# Depths by tape (immutable) and cost model: eager backward asks once per call.
+_DEPTHS: weakref.WeakKeyDictionary[Any, dict[CostModel, int]] = weakref.WeakKeyDictionary()
+
+
+def resolve_prefetch(policy: Any, tape: Any) -> int:
+    """A policy's ``prefetch`` on ``tape``: an int as it is, ``"auto"`` from the cost
+    model (`prefetch_depth` with the policy's ``costs``, else the backend's)."""
+    p = getattr(policy, "prefetch", 0)
+    if p == "auto":
+        return prefetch_depth(tape, getattr(policy, "costs", None))
+    return int(p or 0)
 
 
 def compressed_nbytes(mech: str, shape: tuple[int, ...], dtype: Any, nbytes: int) -> int | None:

@@ -48,6 +48,9 @@ class Timeline:
     unpack: np.ndarray  # first point where its unpacked copy exists
     fixed: np.ndarray  # bytes held at each point whatever the mechanisms
     recompute_flops: float
+    # What happens at each point: "forward" (its end), "recompute" (a segment re-run),
+    # "bwd i" (record i's backward; `memory_report`'s timeline names its steps alike).
+    labels: tuple[str, ...] = ()
 
     @property
     def points(self) -> int:
@@ -69,6 +72,7 @@ def timeline(tape: Tape, prefetch: int = 0, memo: dict | None = None) -> Timelin
     release = np.full(K, -1, dtype=np.int64)
     unpack = np.full(K, -1, dtype=np.int64)
     fixed: list[int] = [0]  # point 0: the end of forward
+    labels = ["forward"]
     remaining = _uses(tape)
     extra: dict[Any, int] = {}
     held = 0  # bytes of recomputed values held (mechanism-independent)
@@ -114,12 +118,14 @@ def timeline(tape: Tape, prefetch: int = 0, memo: dict | None = None) -> Timelin
             for v in seg.inputs:
                 copy(v.id)
             fixed.append(held + seg_peak)
+            labels.append("recompute")
             for o in seg.outputs:
                 extra[o.id] = device_nbytes(o)
                 held += extra[o.id]
             for v in seg.inputs:
                 drop(v.id)
         fixed.append(held)
+        labels.append(f"bwd {rec.index}")
         for key in rkeys:
             drop(key)
     last = len(fixed) - 1
@@ -127,7 +133,14 @@ def timeline(tape: Tape, prefetch: int = 0, memo: dict | None = None) -> Timelin
     never = unpack < 0
     unpack[never] = release[never] + 1
     return Timeline(
-        keys, [kept[k] for k in keys], full, release, unpack, np.array(fixed, np.int64), flops
+        keys,
+        [kept[k] for k in keys],
+        full,
+        release,
+        unpack,
+        np.array(fixed, np.int64),
+        flops,
+        tuple(labels),
     )
 
 

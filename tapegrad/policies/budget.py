@@ -31,7 +31,7 @@ import numpy as np
 
 from tapegrad._tape import Record, Tape
 from tapegrad.errors import TapegradError
-from tapegrad.policies._cost import device_nbytes
+from tapegrad.policies._cost import device_nbytes, prefetch_depth, resolve_prefetch
 
 __all__ = ["Budget", "budget", "estimate", "BudgetError", "record_flops"]
 
@@ -173,7 +173,6 @@ class Budget:
         # Values backward rebuilds (`_checkpoint.rebuilt_records`) are part of the plan; a
         # rebuild from a bf16/int8 operand errs within the class max_error admits.
         self.exact = is_exact(self.base)
-        self.prefetch = 1 if "offload" in self.mechanisms else getattr(self.base, "prefetch", 0)
         self.last: dict[str, Any] = {}
         # Plans by tape structure: tg.grad, memory_report and jit of one function
         # trace the same tape; planning it once keeps tracing cheap. Bounded.
@@ -182,6 +181,15 @@ class Budget:
         self._mech: dict[Any, str] = {}
         self._res_canon: dict[Any, tuple[str, int, float]] = {}
         self._impl: dict[str, Any] = {}
+
+    @property
+    def prefetch(self) -> int | str:
+        """How many records ahead backward brings offloaded residuals back: the depth
+        the last plan was made with (`_cost.prefetch_depth`, or less where the deeper
+        copies would not fit the budget)."""
+        if "offload" in self.mechanisms:
+            return int(self.last.get("prefetch", 1))
+        return getattr(self.base, "prefetch", 0)
 
     def _mechanism(self, name: str) -> Any:
         impl = self._impl.get(name)
@@ -326,40 +334,18 @@ class Budget:
                 if best is not None:
                     cands.append((best[2], best[3]))
                     cands += [(d, "relaxed") for d in _relaxed(sr, best[1], save_peak)]
-        ilp = _ilp_solver(tape)
-        scored: list[list[Any]] = []
-        seen: set[tuple] = set()
-        for dec, family in cands:
-            if dec in seen:
-                continue
-            seen.add(dec)
-            tl = joint.timeline(sc.planned(dec), self.prefetch, sc._memo)
-            opts = joint.options(tl, self.mechanisms, costs)
-            least = joint.least_bytes(tl, opts)
-            floor = least if floor is None else min(floor, least)
-            choice = joint.assign_greedy(tl, opts, self.bytes)
-            rec_s = costs.recompute_s(tl.recompute_flops)
-            total = rec_s + joint.evaluate(tl, opts, choice)[1] if choice is not None else None
-            scored.append([total, rec_s, dec, family, "greedy", tl, opts, choice])
-        if ilp is not None:
-            # The exact mechanisms for the most promising plans (greedy's best two, and
-            # plans greedy could not fit while they can).
-            order = sorted(scored, key=lambda c: (c[0] is None, c[0] or 0.0))
-            for c in order[:2] + [c for c in order[2:] if c[0] is None][:2]:
-                _, rec_s, _, _, _, tl, opts, choice = c
-                exact = ilp(tl, opts, self.bytes)
-                if exact is None:
-                    continue
-                t = rec_s + joint.evaluate(tl, opts, exact)[1]
-                if c[0] is None or t < c[0]:
-                    c[0], c[4], c[7] = t, "ILP", exact
-        winner = None
-        for total, _, dec, family, how, tl, opts, choice in scored:
-            if choice is None:
-                continue
-            peak = joint.evaluate(tl, opts, choice)[0]
-            if winner is None or (total, peak) < winner[0]:
-                winner = ((total, peak), dec, family, how, tl, opts, choice)
+        # Deeper prefetch hides more copy time but holds device copies longer: plan at the
+        # cost model's depth, and at shallower ones only where that does not fit.
+        if "offload" in self.mechanisms:
+            depths: tuple[int, ...] = tuple(dict.fromkeys((prefetch_depth(tape, costs), 1, 0)))
+        else:
+            depths = (resolve_prefetch(self.base, tape),)
+        for prefetch in depths:
+            winner, least = self._complete(tape, sc, cands, prefetch, costs)
+            if least is not None:
+                floor = least if floor is None else min(floor, least)
+            if winner is not None:
+                break
         if winner is None:
             raise BudgetError(
                 f"no plan ({', '.join(self.allow)}) found that keeps activation residuals "
@@ -386,9 +372,62 @@ class Budget:
             },
             "stored_bytes": int(opts.stored[r, choice].sum()),
             "plans_scored": scored_plans + sc.scores,
+            "prefetch": prefetch,
+            # Predicted device bytes of activations at each point of the schedule.
+            "timeline": tuple(
+                zip(
+                    tl.labels,
+                    joint.live_bytes(tl, opts.stored[r, choice], opts.copied[r, choice]).tolist(),
+                )
+            ),
         }
         mech = {k: m for k, m in zip(tl.keys, names) if m != "save"}
         return dec, _to_canonical(tape, mech)
+
+    def _complete(
+        self, tape: Tape, sc: Any, cands: list, prefetch: int, costs: Any
+    ) -> tuple[Any, int | None]:
+        """Complete each save/recompute candidate with per-residual mechanisms (greedy,
+        the exact ILP on the most promising): (the fastest plan that fits or None,
+        the least peak any candidate can reach)."""
+        from tapegrad.policies import _planner_joint as joint
+
+        floor = None
+        ilp = _ilp_solver(tape)
+        scored: list[list[Any]] = []
+        seen: set[tuple] = set()
+        for dec, family in cands:
+            if dec in seen:
+                continue
+            seen.add(dec)
+            tl = joint.timeline(sc.planned(dec), prefetch, sc._memo)
+            opts = joint.options(tl, self.mechanisms, costs)
+            least = joint.least_bytes(tl, opts)
+            floor = least if floor is None else min(floor, least)
+            choice = joint.assign_greedy(tl, opts, self.bytes)
+            rec_s = costs.recompute_s(tl.recompute_flops)
+            total = rec_s + joint.evaluate(tl, opts, choice)[1] if choice is not None else None
+            scored.append([total, rec_s, dec, family, "greedy", tl, opts, choice])
+        if ilp is not None:
+            # The exact mechanisms for the most promising plans (greedy's best two, and
+            # plans greedy could not fit while they can).
+            order = sorted(scored, key=lambda c: (c[0] is None, c[0] or 0.0))
+            for c in order[:2] + [c for c in order[2:] if c[0] is None][:2]:
+                _, rec_s, _, _, _, tl, opts, choice = c
+                exact = ilp(tl, opts, self.bytes)
+                if exact is None:
+                    continue
+                t = rec_s + joint.evaluate(tl, opts, exact)[1]
+                if c[0] is None or t < c[0]:
+                    c[0], c[4], c[7] = t, "ILP", exact
+        winner = None
+        for total, _, dec, family, how, tl, opts, choice in scored:
+            if choice is None:
+                continue
+            peak = joint.evaluate(tl, opts, choice)[0]
+            if winner is None or (total, peak) < winner[0]:
+                winner = ((total, peak), dec, family, how, tl, opts, choice)
+        return winner, floor
 
     def __repr__(self) -> str:
         return f"budget(bytes={self.bytes:,}, base={self.base!r})"

@@ -92,7 +92,10 @@ class ScanCheckpoint:
         self.every, self.min_length, self.levels = every, min_length, levels
         self.snapshots = snapshots
         self.base = SAVE if base is None else base
-        self.prefetch = getattr(self.base, "prefetch", 0)
+
+    @property
+    def prefetch(self) -> int | str:
+        return getattr(self.base, "prefetch", 0)  # read now: a budget sets it as it plans
 
     def loop_schedule(self, rec: Any) -> tuple[int, ...]:
         """Segment lengths for a scan record, outermost first (() keeps every step)."""

@@ -28,16 +28,30 @@ def _move(x, memory_kind: str):
 class Offload:
     """Move residuals to ``memory_kind`` in forward and back to the device in backward."""
 
-    prefetch = 1  # the interpreter starts bringing the next record's residuals back early
     exact = True  # values come back bit for bit
 
-    def __init__(self, memory_kind: str = "pinned_host", min_bytes: int = 0, inputs: bool = False):
+    def __init__(
+        self,
+        memory_kind: str = "pinned_host",
+        min_bytes: int = 0,
+        inputs: bool = False,
+        prefetch: int | str = "auto",
+    ):
         if memory_kind not in ("pinned_host", "unpinned_host"):
             raise ValueError(
                 f"offload: memory_kind must be 'pinned_host' or 'unpinned_host', "
                 f"got {memory_kind!r}."
             )
+        if prefetch != "auto" and (
+            isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0
+        ):
+            raise ValueError(
+                f"offload: prefetch must be 'auto' or a number of records >= 0, got {prefetch!r}."
+            )
         self.memory_kind, self.min_bytes, self.inputs = memory_kind, min_bytes, inputs
+        # How many records ahead backward starts bringing residuals back, so the copies
+        # overlap compute: "auto" asks the cost model (`_cost.prefetch_depth`).
+        self.prefetch = prefetch
 
     def _keeps(self, info) -> bool:
         return info.nbytes < self.min_bytes or (info.is_input and not self.inputs)
@@ -61,10 +75,17 @@ class Offload:
 
     def __repr__(self) -> str:
         extra = ", inputs=True" if self.inputs else ""
+        if self.prefetch != "auto":
+            extra += f", prefetch={self.prefetch}"
         return f"offload({self.memory_kind!r}{extra})"
 
 
-def offload(memory_kind: str = "pinned_host", min_bytes: int = 0, inputs: bool = False) -> Offload:
+def offload(
+    memory_kind: str = "pinned_host",
+    min_bytes: int = 0,
+    inputs: bool = False,
+    prefetch: int | str = "auto",
+) -> Offload:
     """Keep residuals in host memory between forward and backward.
 
     Residuals smaller than ``min_bytes`` stay on device (copying tiny arrays
@@ -74,5 +95,13 @@ def offload(memory_kind: str = "pinned_host", min_bytes: int = 0, inputs: bool =
     activations move (on an H100 under jit this halved the bytes moved for a
     32-layer MLP, see bench/RESULTS.md). ``inputs=True`` moves them too (worth it
     only when the caller drops its own reference before backward).
+
+    In forward each copy to host is dispatched as soon as the residual is packed
+    (jax dispatch is asynchronous: the copy runs while forward goes on). In backward
+    each residual starts coming back ``prefetch`` records before the record that
+    reads it: ``"auto"`` picks the least lookahead whose compute covers the copy
+    time in the cost model (`tg.policies.calibrate` measures it; at least 1), an
+    int fixes it (0: copy back at first use). Device copies are released after
+    their last use.
     """
-    return Offload(memory_kind, min_bytes, inputs)
+    return Offload(memory_kind, min_bytes, inputs, prefetch)

@@ -18,7 +18,7 @@ import pytest
 
 import tapegrad as tg
 from tapegrad.policies import _planner_joint as joint
-from tapegrad.policies._cost import CostModel, compressed_nbytes, device_nbytes
+from tapegrad.policies._cost import CostModel, compressed_nbytes, device_nbytes, resolve_prefetch
 from tapegrad.policies._planner_measure import measured_peak
 from tapegrad.policies._planner_search import Scorer
 from tapegrad.policies.budget import estimate
@@ -167,7 +167,7 @@ def _single(f, args, column: int, costs: CostModel, policy) -> tuple[float, int]
     the seconds include rebuilding the values an exact policy rebuilds in backward
     (`_checkpoint.rebuilt_records`)."""
     tape = tg.trace(f, argnums=0, policy=policy)(*args)
-    tl = joint.timeline(tape, prefetch=1 if column == 1 else 0)
+    tl = joint.timeline(tape, prefetch=resolve_prefetch(policy, tape))
     opts = joint.options(tl, (joint.COLUMNS[column],), costs)
     choice = np.where(opts.valid[:, column], column, 0)
     peak, secs = joint.evaluate(tl, opts, choice)
