@@ -771,6 +771,20 @@ def report_head(rep) -> list[str]:
         if rep.planned_seconds is not None:
             what += f"; predicted +{_us(rep.planned_seconds)} a step"
         lines.append(clip(what, WIDTH))
+        pt, mt = (
+            getattr(rep, "planned_timeline", None),
+            getattr(rep, "measured_plan_timeline", None),
+        )
+        if pt and mt:
+            gap = max(abs(a[1] - b[1]) for a, b in zip(pt, mt)) if len(pt) == len(mt) else None
+            tail = (
+                "as predicted at every one"
+                if gap == 0
+                else f"largest gap {gap:,} B"
+                if gap is not None
+                else f"predicted {len(pt)} points, measured {len(mt)}"
+            )
+            lines.append(clip(f"  schedule: {len(mt)} points (plot_plan()); {tail}", WIDTH))
     if getattr(rep, "average_bits", None) is not None:
         counts: dict[int, int] = {}
         for b in rep.bits.values():

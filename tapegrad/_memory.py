@@ -30,6 +30,7 @@ from tapegrad._memory_unseen import (
 )
 from tapegrad._tape import Record, Tape, array_nbytes, as_dtype, loop_bytes
 from tapegrad.policies._base import is_plain, resolve_policy
+from tapegrad.policies._cost import resolve_prefetch
 from tapegrad.policies.budget import Budget, segment_flops
 
 __all__ = ["MemoryReport", "RecordMemory", "UnseenBackward", "memory_report", "vjp_residual_bytes"]
@@ -170,6 +171,12 @@ class MemoryReport:
     bits: dict[str, int] | None = field(repr=False, default=None)
     average_bits: float | None = None
     budget_bits: float | None = None
+    # When a budget planned the tape: its predicted schedule, ``(point, device bytes of
+    # activations)`` at the end of forward ("forward"), at each recomputation
+    # ("recompute") and during each record's backward ("bwd i"), and the same points as
+    # this run measured them (`plot_plan` draws both).
+    planned_timeline: tuple[tuple[str, int], ...] | None = field(repr=False, default=None)
+    measured_plan_timeline: tuple[tuple[str, int], ...] | None = field(repr=False, default=None)
 
     @property
     def beyond_inputs_bytes(self) -> int:
@@ -283,6 +290,52 @@ class MemoryReport:
         if self.budget_bytes is not None:  # axhline does not widen the y range by itself
             top = max(top, self.budget_bytes + self.input_residual_bytes)
         ax.set_ylim(0, max(ax.get_ylim()[1], top * 1.05))
+        ax.legend(fontsize="small")
+        return ax
+
+    def plot_plan(self, ax: Any = None) -> Any:
+        """A budget's predicted schedule against this run's: device bytes of activations
+        at the end of forward, at each recomputation and during each record's backward
+        (`planned_timeline`, `measured_plan_timeline`), with the budget.
+
+        ```python
+        pol = tg.policies.budget(bytes=..., allow=("save", "recompute", "offload"))
+        tg.memory_report(loss, policy=pol)(w, x).plot_plan()
+        ```
+        Returns the matplotlib ``Axes``.
+        """
+        if self.planned_timeline is None or self.measured_plan_timeline is None:
+            raise ValueError(
+                "plot_plan needs a report of a function planned by tg.policies.budget "
+                "(memory_report(f, policy=tg.policies.budget(...)))."
+            )
+        try:
+            import matplotlib.pyplot as plt
+            from matplotlib.ticker import FuncFormatter
+        except ImportError as e:
+            raise ImportError(
+                "MemoryReport.plot_plan needs matplotlib, an optional dependency: "
+                "pip install matplotlib"
+            ) from e
+        from tapegrad._display import human_bytes
+
+        if ax is None:
+            _, ax = plt.subplots(figsize=(8, 3))
+        for series, style in (
+            (self.measured_plan_timeline, dict(lw=2, label="measured", gid="measured")),
+            (self.planned_timeline, dict(lw=1.2, ls="--", label="predicted", gid="predicted")),
+        ):
+            ax.plot(range(len(series)), [b for _, b in series], drawstyle="steps-mid", **style)
+        if self.budget_bytes is not None:
+            ax.axhline(
+                self.budget_bytes, color="tab:red", lw=1, ls=":", label="budget", gid="budget"
+            )
+        ax.yaxis.set_major_locator(_binary_locator())
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: human_bytes(v).replace(".0 ", " ")))
+        ax.set_xlabel("end of forward, then backward (records and recomputations)")
+        ax.set_ylabel("device bytes of activations")
+        top = max([b for _, b in self.measured_plan_timeline + self.planned_timeline] + [1])
+        ax.set_ylim(0, max(top, self.budget_bytes or 0) * 1.05)
         ax.legend(fontsize="small")
         return ax
 
@@ -696,6 +749,12 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
         if isinstance(k, int) and k in input_ids:
             add_kind(k)
     input_live = live
+    # The schedule as a budget's planner sees it (`_planner_joint.Timeline`): device and
+    # compressed bytes of activations (the tape's own inputs not counted) at the end of
+    # forward, at each recomputation and during each record's backward.
+    inp = {k for k in sizes if isinstance(k, int) and k in input_ids}
+    inp_lk = sum(kind_of[k][0] + kind_of[k][2] for k in inp)
+    plan_points: list[tuple[str, int]] = []
     for rec in tape.records:
         for key in by_rec.get(rec.index, ()):
             if not (isinstance(key, int) and key in input_ids):
@@ -705,6 +764,7 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
         timeline.append((f"fwd {rec.index}", live))
         timeline_kinds.append((lk[0], lk[1], lk[2]))
     residual = live
+    plan_points.append(("forward", lk[0] + lk[2] - inp_lk))
     remaining = dict(res.refs)
     extra: dict[Any, int] = {}  # unpacked device copies and recomputed values, per key
 
@@ -723,7 +783,7 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
         peak_beyond = max(peak_beyond, total - caller_live)
 
     def release(key):
-        nonlocal live, caller_live
+        nonlocal live, caller_live, inp_lk
         remaining[key] -= 1
         if remaining[key] == 0:
             copy = extra.pop(key, 0)
@@ -731,20 +791,40 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
             caller_live -= caller.get(key, 0)
             add_kind(key, -1)
             lk[0] -= copy
+            if key in inp:
+                inp_lk -= kind_of[key][0] + kind_of[key][2] + copy
 
-    for rec in reversed(tape.records):
-        if rec.rule == "none":
-            continue
+    def unpack_copy(key, s_) -> None:
+        nonlocal live, inp_lk
+        extra[key] = s_.nbytes  # the device copy unpack brings back
+        live += s_.nbytes
+        lk[0] += s_.nbytes
+        if key in inp:
+            inp_lk += s_.nbytes
+
+    def copies(key) -> bool:
+        return not plain and key in sizes and caller.get(key, 0) < sizes[key] and _moved(key)
+
+    order = [r for r in reversed(tape.records) if r.rule != "none"]
+    prefetch = 0 if plain else resolve_prefetch(policy, tape)
+    for n, rec in enumerate(order):
         keys = res.keys.get(rec.index, ())
+        # What backward brings back early for the next records (`offload`'s prefetch).
+        for nxt in order[n + 1 : n + 1 + prefetch]:
+            for s_, key in zip(nxt.saves, res.keys.get(nxt.index, ())):
+                if key not in extra and key in res.store and copies(key):
+                    unpack_copy(key, s_)
         for s_, key in zip(rec.saves, keys):
             if key in extra:
                 continue
             if key not in res.store and key in seg_of:
                 seg = tape.segments[seg_of[key]]
                 transient = segment_peak(tape, seg)
-                if not plain:
-                    transient += sum(v.nbytes for v in seg.inputs)
+                for v in seg.inputs:  # unpacked for the segment, released after it
+                    if v.id not in extra and v.id in res.store and copies(v.id):
+                        unpack_copy(v.id, v)
                 reach(live + transient)
+                plan_points.append(("recompute", lk[0] + lk[2] - inp_lk + transient))
                 for o in seg.outputs:
                     extra[o.id] = o.nbytes
                     live += o.nbytes
@@ -758,10 +838,8 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
                             lk[0] += a.nbytes
                 for v in seg.inputs:
                     release(v.id)
-            elif not plain and key in sizes and caller.get(key, 0) < sizes[key] and _moved(key):
-                extra[key] = s_.nbytes  # the device copy unpack brings back
-                live += s_.nbytes
-                lk[0] += s_.nbytes
+            elif copies(key):
+                unpack_copy(key, s_)
         if ("body", rec.index) in sizes:
             # A loop's stacked residuals stay until its backward ends; each step unpacks
             # its own residuals (device copies) on top of them, and a checkpointed scan
@@ -780,6 +858,7 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
             timeline.append((f"bwd {rec.index} jax.vjp", live + est))
             timeline_kinds.append((lk[0] + est, lk[1], lk[2]))
         reach(live)
+        plan_points.append((f"bwd {rec.index}", lk[0] + lk[2] - inp_lk))
         for key in keys:
             release(key)
         timeline.append((f"bwd {rec.index}", live))
@@ -822,6 +901,8 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
         {n: b for n, (b, _) in named.items()} if named is not None else None,
         _average_bits(named, auto),
         auto.budget_bits if auto is not None else None,
+        planned_timeline=planner.last.get("timeline") if planner is not None else None,
+        measured_plan_timeline=tuple(plan_points) if planner is not None else None,
     )
 
 

@@ -250,6 +250,7 @@ class Budget:
            (`_planner_search`).
         ``self.last`` says what was chosen: peak bytes, flops, the winning family.
         """
+        from tapegrad.policies import _planner_joint as joint
         from tapegrad.policies import _planner_search as search
 
         fixed = _keep_effects(tape, fixed)
@@ -277,6 +278,7 @@ class Budget:
                 )
             flops, peak, chosen, family = best
             kept = sc.index.residual_keys(sc.index.segments(chosen))[0]
+            tl = joint.timeline(sc.planned(chosen), resolve_prefetch(self.base, tape), sc._memo)
             self.last = {
                 "peak_bytes": peak,
                 "recompute_flops": flops,
@@ -287,6 +289,9 @@ class Budget:
                     for k, v in kept.items()
                     if not (isinstance(k, int) and k in sc.index.free)
                 },
+                "timeline": tuple(
+                    zip(tl.labels, joint.live_bytes(tl, tl.full, 0 * tl.full).tolist())
+                ),
             }
             canon = {}
         self._mech = _from_canonical(tape, canon)
