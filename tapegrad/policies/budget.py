@@ -353,6 +353,8 @@ class Budget:
                 t = rec_s + joint.evaluate(tl, opts, exact)[1]
                 if c[0] is None or t < c[0]:
                     c[0], c[4], c[7] = t, "ILP", exact
+        # On a chain: the exact joint program (save/recompute and mechanisms together).
+        scored += _chain_joint(tape, sc, fixed, self, costs)
         winner = None
         for total, _, dec, family, how, tl, opts, choice in scored:
             if choice is None:
@@ -527,6 +529,18 @@ def _save_recompute(tape: Tape, fixed: list, hints: list, budget: int) -> tuple[
 
 # A scorer allowed this many plans searches as it always did (tapes up to ~200 records).
 SMALL_SEARCH = 1_000
+
+
+def _chain_joint(tape: Tape, sc: Any, fixed: list, pol: Budget, costs: Any) -> list[list[Any]]:
+    """`_planner_chain_joint.candidates`: on a chain, the exact joint plan, scored like
+    the other candidates (none on other tapes)."""
+    from tapegrad.policies import _planner_chain_joint
+
+    if "recompute" not in pol.allow:
+        fixed = [f or "save" for f in fixed]
+    return _planner_chain_joint.candidates(
+        tape, sc, fixed, pol.bytes, pol.mechanisms, pol.prefetch, costs
+    )
 
 
 def _ilp_solver(tape: Tape) -> Any:
