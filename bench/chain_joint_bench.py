@@ -1,7 +1,7 @@
 """The exact joint chain program (`_planner_chain_joint`) against the two-stage joint
 planner (save/recompute plans first, then mechanisms per residual), in one run:
 
-    python bench/chain_joint_bench.py [--quick]
+    python bench/chain_joint_bench.py [--quick] [--exhaustive]
 
 On 16- and 32-layer tanh MLPs (widths alternating, so residuals differ in size), at
 budgets from 90% to 15% of save()'s peak, with offload and compress (bf16, int8)
@@ -9,6 +9,11 @@ allowed: the predicted step time the two-stage planner reaches, the one the budg
 policy reaches with the chain program among its candidates, their ratio (never above
 1: the program is exact, and its plan is scored by the same model), which family won,
 and planning wall time (two-stage; with the program; the program alone).
+
+``--exhaustive`` first checks the program against brute force (every save/recompute
+assignment and every mechanism, scored by `_planner_joint.timeline`/`evaluate`) on 6-
+and 7-layer MLPs with offload, as ``tests/policies/test_planner_chain_joint.py`` does
+on shallower ones (the 7-layer brute force takes about a minute).
 
 Times are the planner's cost model (fixed figures below, so the table does not
 depend on this machine), not measured step times.
@@ -72,10 +77,32 @@ def plan(tape, bytes: int, with_program: bool, costs: CostModel):
         budget_mod._chain_joint = saved
 
 
+def exhaustive() -> None:
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "policies"))
+    import test_planner_chain_joint as t
+
+    for layers in (6, 7):
+        ws, x = t.mlp_args(layers)
+        tape = tg.trace(t.mlp, argnums=0)(ws, x)
+        t0 = time.perf_counter()
+        t.check_exact(tape, *t.MODES["offload"], t.COSTS["cpu"])
+        print(
+            f"{layers} layers ({len(tape.records)} records, offload): the program's time is the "
+            f"brute-force optimum at every budget ({time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    quick = ap.parse_args().quick
+    ap.add_argument("--exhaustive", action="store_true")
+    opts = ap.parse_args()
+    quick = opts.quick
+    if opts.exhaustive:
+        exhaustive()
     fracs = (0.9, 0.6, 0.3, 0.15) if quick else (0.9, 0.75, 0.6, 0.45, 0.3, 0.2, 0.15)
     print(
         f"{'costs':>5} {'layers':>6} {'budget':>6} {'two-stage s':>12} {'with DP s':>12} "

@@ -144,6 +144,7 @@ class _Unit:
     f_a: int  # index of record a's first point (its prefetch)
     vprev: np.ndarray  # where v[a-1]'s copy lives, when it is kept anyway
     s_pts: int  # how many leading points are record s's (R_s, Q_s)
+    seg_peak: int  # grows with the run: past the budget, longer runs fit no better
 
 
 def _unit(ch: JointChain, a: int, top: int, has_s: bool, prefetch: int) -> _Unit:
@@ -163,6 +164,7 @@ def _unit(ch: JointChain, a: int, top: int, has_s: bool, prefetch: int) -> _Unit
         pts += 1
     fixed = np.zeros(pts, np.int64)
     flops = 0.0
+    seg_peak = 0
     if c is not None and T is not None:
         # the segment's recomputation peak, as `_checkpoint.segment_peak` counts it
         kept_inside, seg_peak = 0, 0
@@ -173,12 +175,14 @@ def _unit(ch: JointChain, a: int, top: int, has_s: bool, prefetch: int) -> _Unit
                 kept_inside += ch.nbytes[j]
             flops += ch.flops[j]
         fixed[idx_r] = seg_peak
-        # recomputed values, held from the recomputation to their last use
+        # recomputed values, held from the recomputation (Q_T) to their last use
+        diff = np.zeros(pts + 1, np.int64)
         for m in range(a, c + 1):
             if ch.wanted[m]:
                 last = m if ch.saves_out[m] else m + 1
-                for j in range(last, T + 1):
-                    fixed[idx_q[j]] += ch.dbytes[m]
+                diff[idx_q[T]] += ch.dbytes[m]
+                diff[idx_q[last] + 1] -= ch.dbytes[m]
+        fixed += np.cumsum(diff)[:pts]
 
     def first(j: int) -> int:
         return idx_r if j == T else idx_q[j]
@@ -202,7 +206,7 @@ def _unit(ch: JointChain, a: int, top: int, has_s: bool, prefetch: int) -> _Unit
     s_pts = 0
     if has_s:
         s_pts = 2 if T == top else 1
-    return _Unit(pts, fixed, flops, c is not None, idx_r, f_a, vprev, s_pts)
+    return _Unit(pts, fixed, flops, c is not None, idx_r, f_a, vprev, s_pts, seg_peak)
 
 
 def _key_options(ch: JointChain, keys: list, mechanisms: tuple[str, ...], costs: CostModel):
@@ -297,7 +301,9 @@ def chain_joint_plan(
                 u = units.get(key)
                 if u is None:
                     u = units[key] = _unit(ch, a, last, has_s, prefetch)
-                if promise is not None and promise != (u.seg and top > a):
+                if u.seg_peak > budget - S0[0]:
+                    break
+                if promise is not None and promise != u.seg:
                     continue
                 base = u.fixed.copy()
                 if a >= 1 and vkind != PENDING:
@@ -331,10 +337,8 @@ def chain_joint_plan(
                         )
                         trans.append((a, top, False, pc, None, ()))
                         continue
-                    for vs, auxs, dS, dt, s_live, nsig in _own(
-                        ch, top, u, b2, opt, prefetch, vkind, a
-                    ):
-                        m = max(rest, s_live)
+                    own = _own(ch, top, u, b2, opt, prefetch, vkind, a)
+                    for vs, auxs, dS, dt, m, nsig in _undominated(own, rest):
                         k = int(np.searchsorted(S0, budget - m, side="right"))
                         if k == 0:
                             continue
@@ -396,6 +400,25 @@ def chain_joint_plan(
         tr = int(stores[fid][4][k])
         fid, k = int(stores[fid][2][k]), int(stores[fid][3][k])
     return dec, mech, secs, stored
+
+
+def _undominated(own: list, rest: int) -> list:
+    """``own`` with each live peak raised to ``rest``, less the choices another with the
+    same next state beats on peak, stored bytes and seconds at once."""
+    rows = [(vs, auxs, dS, dt, max(rest, live), nsig) for vs, auxs, dS, dt, live, nsig in own]
+    keep = []
+    for r in rows:
+        if not any(
+            o is not r
+            and o[5] == r[5]
+            and o[4] <= r[4]
+            and o[2] <= r[2]
+            and o[3] <= r[3]
+            and (o[4], o[2], o[3]) != (r[4], r[2], r[3])
+            for o in rows
+        ):
+            keep.append(r)
+    return keep
 
 
 def _close(final, stores, fid, S0, t0, budget, rest, dS, dt, tr) -> None:
