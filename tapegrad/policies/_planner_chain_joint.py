@@ -244,9 +244,14 @@ def chain_joint_plan(
     mechanisms: tuple[str, ...],
     costs: CostModel,
     prefetch: int,
+    bound: float = np.inf,
 ) -> tuple[list[str], dict, float, int] | None:
     """(decisions, residual key -> mechanism column, predicted seconds, stored bytes) of
-    the least-time plan whose device peak fits ``budget``; None if none fits."""
+    the least-time plan whose device peak fits ``budget``; None if none fits.
+
+    ``bound``: seconds of a plan already known (another planner's); partial plans
+    slower than it are dropped (seconds only grow along the chain), so the program
+    returns its optimum if that is at most ``bound``, else None."""
     n = ch.n
     can_save = [f in (None, "save") for f in fixed]
     can_rec = [f in (None, "recompute") for f in fixed]
@@ -333,6 +338,7 @@ def chain_joint_plan(
                             rest,
                             pst,
                             psec + rec_s,
+                            bound,
                             len(trans),
                         )
                         trans.append((a, top, False, pc, None, ()))
@@ -343,7 +349,8 @@ def chain_joint_plan(
                         if k == 0:
                             continue
                         S = S0[:k] + (pst + dS)
-                        keep = S <= budget
+                        t = t0[:k] + (psec + rec_s + dt)
+                        keep = (S <= budget) & (t <= bound)
                         if not keep.any():
                             continue
                         tr = len(trans)
@@ -351,7 +358,7 @@ def chain_joint_plan(
                         push(
                             pend[top].setdefault(nsig, []),
                             S[keep],
-                            t0[:k][keep] + (psec + rec_s + dt),
+                            t[keep],
                             fid,
                             np.arange(k)[keep],
                             tr,
@@ -421,17 +428,18 @@ def _undominated(own: list, rest: int) -> list:
     return keep
 
 
-def _close(final, stores, fid, S0, t0, budget, rest, dS, dt, tr) -> None:
+def _close(final, stores, fid, S0, t0, budget, rest, dS, dt, bound, tr) -> None:
     """A run to the end from the front ``fid``: what fits is a terminal entry."""
     k = int(np.searchsorted(S0, budget - rest, side="right"))
     if k == 0:
         return
     S = S0[:k] + dS
-    keep = S <= budget
+    t = t0[:k] + dt
+    keep = (S <= budget) & (t <= bound)
     final.append(
         (
             S[keep],
-            t0[:k][keep] + dt,
+            t[keep],
             np.full(int(keep.sum()), fid),
             np.arange(k)[keep],
             np.full(int(keep.sum()), tr),
@@ -491,14 +499,16 @@ def candidates(
     mechanisms: tuple[str, ...],
     prefetch: int,
     costs: CostModel,
+    bound: float = np.inf,
 ) -> list[list[Any]]:
     """The program's plan as a joint-planner candidate ``[total, recompute seconds,
     decisions, family, how, timeline, options, choice]`` scored by `joint.timeline` and
-    `joint.evaluate` (empty when the tape is not such a chain or nothing fits)."""
+    `joint.evaluate` (empty when the tape is not such a chain, or when nothing fits in
+    at most ``bound`` seconds: the best candidate so far)."""
     ch = joint_chain(tape, prefetch)
     if ch is None:
         return []
-    got = chain_joint_plan(ch, fixed, budget, mechanisms, costs, prefetch)
+    got = chain_joint_plan(ch, fixed, budget, mechanisms, costs, prefetch, bound)
     if got is None:
         return []
     dec, mech = tuple(sc.with_fixed(got[0])), got[1]

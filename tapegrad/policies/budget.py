@@ -354,7 +354,7 @@ class Budget:
                 if c[0] is None or t < c[0]:
                     c[0], c[4], c[7] = t, "ILP", exact
         # On a chain: the exact joint program (save/recompute and mechanisms together).
-        scored += _chain_joint(tape, sc, fixed, self, costs)
+        scored += _chain_joint(tape, sc, fixed, self, costs, scored)
         winner = None
         for total, _, dec, family, how, tl, opts, choice in scored:
             if choice is None:
@@ -531,15 +531,18 @@ def _save_recompute(tape: Tape, fixed: list, hints: list, budget: int) -> tuple[
 SMALL_SEARCH = 1_000
 
 
-def _chain_joint(tape: Tape, sc: Any, fixed: list, pol: Budget, costs: Any) -> list[list[Any]]:
-    """`_planner_chain_joint.candidates`: on a chain, the exact joint plan, scored like
-    the other candidates (none on other tapes)."""
+def _chain_joint(
+    tape: Tape, sc: Any, fixed: list, pol: Budget, costs: Any, scored: list
+) -> list[list[Any]]:
+    """`_planner_chain_joint.candidates`: on a chain, the exact joint plan when it beats
+    the candidates ``scored`` so far, scored like them (none on other tapes)."""
     from tapegrad.policies import _planner_chain_joint
 
     if "recompute" not in pol.allow:
         fixed = [f or "save" for f in fixed]
+    bound = min((c[0] for c in scored if c[0] is not None), default=math.inf)
     return _planner_chain_joint.candidates(
-        tape, sc, fixed, pol.bytes, pol.mechanisms, pol.prefetch, costs
+        tape, sc, fixed, pol.bytes, pol.mechanisms, pol.prefetch, costs, bound
     )
 
 

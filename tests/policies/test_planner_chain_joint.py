@@ -166,6 +166,11 @@ def check_exact(tape, mechanisms, prefetch, costs, budgets=None, fixed=None):
         assert peak <= b, (b, peak)
         assert total == pytest.approx(t, rel=1e-9, abs=1e-18)
         assert t == pytest.approx(best, rel=1e-9, abs=1e-18), (b, t, best, dec, mech)
+        # bounded by a known plan's seconds: the optimum if within it, else nothing
+        within = chain_joint_plan(ch, fixed, b, mechanisms, costs, prefetch, t * (1 + 1e-12))
+        assert within is not None and within[2] == pytest.approx(t, rel=1e-9, abs=1e-18)
+        if t > 0:
+            assert chain_joint_plan(ch, fixed, b, mechanisms, costs, prefetch, t * 0.999) is None
 
 
 # Plans grow as 2^records x (mechanisms+1)^residuals: the deeper chains with fewer
