@@ -259,7 +259,8 @@ def chain_joint_plan(
     opt = _key_options(ch, keys, mechanisms, costs)
     units: dict[tuple, _Unit] = {}
     trans: list[tuple] = []  # (a, top, has_s, pending column, v[s] column, aux columns)
-    # fronts[p][sig] = list of (S, t, parent front id, parent index, transition)
+    # pend[s][sig]: parts of the front of states (s, sig), each (stored bytes, seconds,
+    # parent front id, parent index, transition), merged when the program reaches s
     pend: list[dict[tuple, list]] = [dict() for _ in range(n)]
     final: list = []
     stores: list[tuple] = []  # front id -> (S, t, parent fid, parent idx, trans)
@@ -281,16 +282,13 @@ def chain_joint_plan(
     stores.append(
         (np.zeros(1, np.int64), np.zeros(1), np.full(1, -1), np.zeros(1, int), np.full(1, -1))
     )
-    layers: list[list[tuple[int, tuple, int]]] = [[] for _ in range(n)]  # (p, sig, fid)
-    start = [(-1, (PENDING, 0, 0, None), 0)]
     for p in range(-1, n - 1):
+        here: list[tuple[tuple, int | None]] = [((PENDING, 0, 0, None), 0)]  # none kept yet
         if p >= 0:
-            for sig, parts in pend[p].items():
-                fid = merged(parts)
-                if fid is not None:
-                    layers[p].append((p, sig, fid))
-        here = start if p < 0 else layers[p]
-        for _, sig, fid in here:
+            here = [(sig, merged(parts)) for sig, parts in pend[p].items()]
+        for sig, fid in here:
+            if fid is None:
+                continue
             S0, t0 = stores[fid][0], stores[fid][1]
             vkind, aux_copy, prev_copy, promise = sig
             a = p + 1
@@ -366,10 +364,10 @@ def chain_joint_plan(
     for sig, parts in pend[n - 1].items():
         if sig[3] is True:
             continue
-        fid = merged(parts)
-        if fid is not None:
-            S, t = stores[fid][0], stores[fid][1]
-            final.append((S, t, np.full(len(S), fid), np.arange(len(S)), np.full(len(S), -2)))
+        end = merged(parts)
+        if end is not None:
+            S, t = stores[end][0], stores[end][1]
+            final.append((S, t, np.full(len(S), end), np.arange(len(S)), np.full(len(S), -2)))
     if not final:
         return None
     # best over terminal entries: a final run (trans >= 0, parent = the state before it)

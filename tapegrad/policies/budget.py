@@ -298,8 +298,9 @@ class Budget:
     def _plan_joint(self, tape: Tape, fixed: list, hints: list) -> tuple[tuple, dict]:
         """Save/recompute plans at the budget and at relaxed ones (less recompute, more
         bytes left for offload/compress to remove), each completed with per-residual
-        mechanisms (`_planner_joint`, or the exact `_planner_ilp` on small tapes); the
-        least predicted step time that fits wins."""
+        mechanisms (`_planner_joint`, or the exact `_planner_ilp` on small tapes); on a
+        chain also the exact joint program (`_planner_chain_joint`: both chosen at once);
+        the least predicted step time that fits wins."""
         import numpy as np
 
         from tapegrad.policies import _planner_joint as joint
