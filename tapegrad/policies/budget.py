@@ -311,8 +311,9 @@ class Budget:
     def _plan_joint(self, tape: Tape, fixed: list, hints: list) -> tuple[tuple, dict]:
         """Save/recompute plans at the budget and at relaxed ones (less recompute, more
         bytes left for offload/compress to remove), each completed with per-residual
-        mechanisms (`_planner_joint`, or the exact `_planner_ilp` on small tapes); the
-        least predicted step time that fits wins."""
+        mechanisms (`_planner_joint`, or the exact `_planner_ilp` on small tapes); on a
+        chain also the exact joint program (`_planner_chain_joint`: both chosen at once);
+        the least predicted step time that fits wins."""
         import numpy as np
 
         from tapegrad.policies import _planner_joint as joint
@@ -339,18 +340,28 @@ class Budget:
                 if best is not None:
                     cands.append((best[2], best[3]))
                     cands += [(d, "relaxed") for d in _relaxed(sr, best[1], save_peak)]
-        # Deeper prefetch hides more copy time but holds device copies longer: plan at the
-        # cost model's depth, and at shallower ones only where that does not fit.
+        # Plan with copies brought back one record ahead (at first use where nothing fits
+        # so), then bring them back as early as the cost model asks (`_cost.prefetch_depth`)
+        # where the plan still fits: the model charges a copy's full time at any depth, so
+        # in it deeper prefetch only holds memory longer; on a device it hides the copies.
         if "offload" in self.mechanisms:
-            depths: tuple[int, ...] = tuple(dict.fromkeys((prefetch_depth(tape, costs), 1, 0)))
+            depths: tuple[int, ...] = (1, 0)
         else:
             depths = (resolve_prefetch(self.base, tape),)
         for prefetch in depths:
-            winner, least = self._complete(tape, sc, cands, prefetch, costs)
+            winner, least = self._complete(tape, sc, cands, fixed, prefetch, costs)
             if least is not None:
                 floor = least if floor is None else min(floor, least)
             if winner is not None:
                 break
+        if winner is not None and "offload" in self.mechanisms and prefetch == 1:
+            (total, _), dec, family, how, _, opts, choice = winner
+            for k in range(prefetch_depth(tape, costs), 1, -1):
+                tl = joint.timeline(sc.planned(dec), k, sc._memo)
+                peak = joint.evaluate(tl, opts, choice)[0]
+                if peak <= self.bytes:
+                    winner, prefetch = ((total, peak), dec, family, how, tl, opts, choice), k
+                    break
         if winner is None:
             raise BudgetError(
                 f"no plan ({', '.join(self.allow)}) found that keeps activation residuals "
@@ -390,7 +401,7 @@ class Budget:
         return dec, _to_canonical(tape, mech)
 
     def _complete(
-        self, tape: Tape, sc: Any, cands: list, prefetch: int, costs: Any
+        self, tape: Tape, sc: Any, cands: list, fixed: list, prefetch: int, costs: Any
     ) -> tuple[Any, int | None]:
         """Complete each save/recompute candidate with per-residual mechanisms (greedy,
         the exact ILP on the most promising): (the fastest plan that fits or None,
@@ -425,6 +436,8 @@ class Budget:
                 t = rec_s + joint.evaluate(tl, opts, exact)[1]
                 if c[0] is None or t < c[0]:
                     c[0], c[4], c[7] = t, "ILP", exact
+        # On a chain: the exact joint program (save/recompute and mechanisms together).
+        scored += _chain_joint(tape, sc, fixed, self, costs, scored, prefetch)
         winner = None
         for total, _, dec, family, how, tl, opts, choice in scored:
             if choice is None:
@@ -571,6 +584,21 @@ def _save_recompute(tape: Tape, fixed: list, hints: list, budget: int) -> tuple[
 
 # A scorer allowed this many plans searches as it always did (tapes up to ~200 records).
 SMALL_SEARCH = 1_000
+
+
+def _chain_joint(
+    tape: Tape, sc: Any, fixed: list, pol: Budget, costs: Any, scored: list, prefetch: int
+) -> list[list[Any]]:
+    """`_planner_chain_joint.candidates`: on a chain, the exact joint plan when it beats
+    the candidates ``scored`` so far, scored like them (none on other tapes)."""
+    from tapegrad.policies import _planner_chain_joint
+
+    if "recompute" not in pol.allow:
+        fixed = [f or "save" for f in fixed]
+    bound = min((c[0] for c in scored if c[0] is not None), default=math.inf)
+    return _planner_chain_joint.candidates(
+        tape, sc, fixed, pol.bytes, pol.mechanisms, prefetch, costs, bound
+    )
 
 
 def _ilp_solver(tape: Tape) -> Any:

@@ -343,6 +343,8 @@ def test_greedy_alone_fits_whenever_a_plan_can(monkeypatch):
     import sys
 
     monkeypatch.setattr(sys.modules["tapegrad.policies.budget"], "_ilp_solver", lambda t: None)
+    # nor the exact chain program (this model is a chain): the greedy alone must fit
+    monkeypatch.setattr(sys.modules["tapegrad.policies.budget"], "_chain_joint", lambda *a: [])
 
     def model(params, x):
         for w in params:
