@@ -560,7 +560,9 @@ def _save_recompute(tape: Tape, fixed: list, hints: list, budget: int) -> tuple[
     hinted = sc.with_fixed("save" if h is None or h.saves else "recompute" for h in hints)
     if sc.fits(hinted, "hints"):
         return sc, sc.best
-    ch = as_chain(tape)
+    # The exact chain program's fronts grow with the chain (a 662-record MLP chain took
+    # ~25 s); longer chains get the bounded searches below, like any tape.
+    ch = as_chain(tape) if len(tape.records) <= CHAIN_DP_RECORDS else None
     if ch is not None:
         chain_dec = chain_plan(ch, fixed, budget)
         if chain_dec is not None:
@@ -584,6 +586,9 @@ def _save_recompute(tape: Tape, fixed: list, hints: list, budget: int) -> tuple[
 
 # A scorer allowed this many plans searches as it always did (tapes up to ~200 records).
 SMALL_SEARCH = 1_000
+# The longest tape the exact chain program plans (~1 s for the whole plan at ~130
+# records on a 2-core CPU).
+CHAIN_DP_RECORDS = 160
 
 
 def _chain_joint(
