@@ -376,7 +376,18 @@ def rebuilt_records(
     banned: set[int] = set() if draws else {r.index for r in tape.records if r.primitive in _RANDOM}
     while True:
         rebuilt, plain, saved = _rebuilt_once(tape, decisions, open_, banned)
-        costly = {i for i in rebuilt if not _worth_rebuilding(tape, i, rebuilt, saved)}
+        readers: dict[int, list[Record]] = {}
+        for r in tape.records:
+            if r.index in rebuilt:
+                for u in r.inputs:
+                    if isinstance(u, Var):
+                        readers.setdefault(u.id, []).append(r)
+        costly = {
+            i
+            for i in rebuilt
+            if tape.records[i].primitive in _RANDOM
+            and not _worth_rebuilding(tape.records[i], readers, saved)
+        }
         if not costly:
             return rebuilt, plain
         banned |= costly
@@ -447,30 +458,21 @@ def _rebuilt_once(
     return needed, plain, saved
 
 
-def _worth_rebuilding(tape: Tape, index: int, rebuilt: set[int], saved: set[int]) -> bool:
-    """Random bits are rebuilt only for kept values of as many elements as they have:
-    a dropout mask is, a slice of a larger draw is not (the draw would cost more than
-    the few bytes it frees)."""
-    rec = tape.records[index]
-    if rec.primitive not in _RANDOM:
-        return True
-    consumers: dict[int, list[Record]] = {}
-    for r in tape.records:
-        if r.index in rebuilt:
-            for u in r.inputs:
-                if isinstance(u, Var):
-                    consumers.setdefault(u.id, []).append(r)
-    freed, seen, stack = 0, set(), [rec]
+def _worth_rebuilding(draw: Record, readers: dict[int, list[Record]], saved: set[int]) -> bool:
+    """Random bits are rebuilt only for kept values of as many elements as they have
+    (reached through the rebuilt records that read them): a dropout mask is, a slice of
+    a larger draw is not (the draw would cost more than the few bytes it frees)."""
+    freed, seen, stack = 0, {draw.index}, [draw]
     while stack:
         r = stack.pop()
         for o in r.outputs:
-            if o.id in saved and r.index != index:
+            if o.id in saved:
                 freed += math.prod(o.shape)
-            for c in consumers.get(o.id, ()):
+            for c in readers.get(o.id, ()):
                 if c.index not in seen:
                     seen.add(c.index)
                     stack.append(c)
-    return freed >= max(math.prod(o.shape) for o in rec.outputs)
+    return freed >= max(math.prod(o.shape) for o in draw.outputs)
 
 
 def build_segments(
