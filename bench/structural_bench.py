@@ -13,6 +13,9 @@ CNN (conv-relu-maxpool x2, dense; batch 32, 28x28x1) and the same MLP with dropo
 * jitted ``tg.grad`` step time vs ``jax.grad``'s, packing on and off (interleaved rounds);
 * the largest |tg.grad - jax.grad| (exact: masks are lossless).
 
+The dropout masks are not kept: each is rebuilt in backward from its key (a few bytes),
+so the dropout rows' mask columns read 0 and ``tg.vjp``'s bytes are the MLP's.
+
 Two variants of the MLP and dropout MLP: weights differentiated (the usual training step;
 relu reads its mask off its output, which the next matmul keeps anyway) and weights
 constant (input gradient only: nothing else keeps relu's output, the mask is its residual).
