@@ -284,9 +284,11 @@ def _decide(
         open_.append(rec.region is None and c in (None, P.PREFER_SAVE))
     rebuilt: set[int] = set()
     if rebuild and whole and is_exact(policy):
-        # A planner counts rebuilding a draw's transient (the bits, the uniform floats:
-        # several times the packed mask it frees) in its peak; made binding here, that
-        # would raise the least peak it can reach. It keeps the mask instead.
+        # A planner counts a recomputed segment record by record, a draw's transient (the
+        # bits, the uniform floats: several times the packed mask it frees) included;
+        # made binding here, that would raise the least peak it can reach. It keeps the
+        # mask instead (eagerly the rebuild runs as one call, `Segment.compiled`, which
+        # its cost model does not know).
         rebuilt, plain = rebuilt_records(
             tape, [f if f is not None else "save" for f in fixed], open_, draws=plan is None
         )
@@ -659,7 +661,11 @@ def _prune(tape: Tape, seg: Segment, producer: dict[int, Record]) -> Segment:
 
 def segment_peak(tape: Tape, seg: Segment) -> int:
     """Peak bytes a segment's recomputation holds: outputs kept so far plus the
-    intermediates still needed (the interpreter frees them at their last use)."""
+    intermediates still needed (the interpreter frees them at their last use); a
+    ``compiled`` segment's, its outputs alone (its intermediates live inside the one
+    call, never as arrays)."""
+    if seg.compiled:
+        return sum(o.nbytes for o in seg.outputs)
     keep = {o.id for o in seg.outputs}
     last: dict[int, int] = {}
     for k in seg.records:
@@ -705,8 +711,17 @@ def plan_recompute(
     records = tuple(dataclasses.replace(r, decision=d) for r, d in zip(tape.records, decisions))
     segs = build_segments(dataclasses.replace(tape, records=records), decisions, rebuilt)
     if rebuilt:  # a segment of free rebuilds alone needs no barrier against CSE
+        # Eagerly, a draw rebuilt op by op would hold its random bits and floats, several
+        # times the mask it frees, while backward rebuilds it: it runs as one compiled
+        # call instead, where XLA fuses the draw into the mask.
         segs = tuple(
-            dataclasses.replace(g, prevent_cse=False) if rebuilt.issuperset(g.records) else g
+            dataclasses.replace(
+                g,
+                prevent_cse=False,
+                compiled=any(records[i].primitive in _RANDOM for i in g.records),
+            )
+            if rebuilt.issuperset(g.records)
+            else g
             for g in segs
         )
     return dataclasses.replace(tape, records=records, segments=segs)
