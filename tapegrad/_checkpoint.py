@@ -708,7 +708,11 @@ def plan_recompute(
         decisions, rebuilt, tape = _decide(tape, policy, True, rebuild)
     if all(d == "save" for d in decisions) and all(r.decision == "save" for r in tape.records):
         return tape
-    records = tuple(dataclasses.replace(r, decision=d) for r, d in zip(tape.records, decisions))
+    # A record whose decision stands is the very object (its cached fused key with it).
+    records = tuple(
+        r if r.decision == d else dataclasses.replace(r, decision=d)
+        for r, d in zip(tape.records, decisions)
+    )
     segs = build_segments(dataclasses.replace(tape, records=records), decisions, rebuilt)
     if rebuilt:  # a segment of free rebuilds alone needs no barrier against CSE
         # Eagerly, a draw rebuilt op by op would hold its random bits and floats, several
