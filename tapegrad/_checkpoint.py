@@ -717,7 +717,10 @@ def plan_recompute(
     if rebuilt:  # a segment of free rebuilds alone needs no barrier against CSE
         # Eagerly, a draw rebuilt op by op would hold its random bits and floats, several
         # times the mask it frees, while backward rebuilds it: it runs as one compiled
-        # call instead, where XLA fuses the draw into the mask.
+        # call instead, where XLA fuses the draw into the mask (integer ops and
+        # comparisons: the very bits forward drew). Float chains alone stay op by op:
+        # XLA may fuse a multiply and an add into one rounding, and a rebuilt value must
+        # be the one forward computed.
         segs = tuple(
             dataclasses.replace(
                 g,

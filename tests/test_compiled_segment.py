@@ -1,6 +1,6 @@
-"""Rebuilt draws run as one compiled call eagerly (`Segment.compiled`,
+"""Free rebuilds run as one compiled call eagerly (`Segment.compiled`,
 `_interpret.run_compiled_segment`): backward holds the segment's inputs and outputs,
-never the draw's random bits or floats, so rebuilding a dropout mask from its key lowers
+never a draw's random bits or floats, so rebuilding a dropout mask from its key lowers
 the bytes held between forward and backward without raising backward's peak."""
 
 from __future__ import annotations
@@ -118,3 +118,41 @@ def test_backward_peak_is_not_above_keeping_the_mask(monkeypatch, act):
     tg.clear_caches()
     # Run record by record, the rebuild holds the bits and floats: the compiled call does not.
     assert rebuilt <= masked and rebuilt < op_by_op, (rebuilt, masked, op_by_op)
+
+
+def layer_norm_loss(p, x):
+    mu = jnp.mean(x, -1, keepdims=True)
+    xc = x - mu
+    h = xc * jax.lax.rsqrt(jnp.mean(xc**2, -1, keepdims=True) + 1e-5) * p["g"] + p["b"]
+    return jnp.sum(jnp.tanh(h @ p["w"]) ** 2)
+
+
+def _record_by_record(monkeypatch, fn):
+    monkeypatch.setattr(_interpret, "run_compiled_segment", lambda *_: None)
+    try:
+        return fn()
+    finally:
+        monkeypatch.undo()
+
+
+def test_a_rebuilt_draw_gives_the_very_bits_of_record_by_record():
+    # Integer ops and comparisons: compiled or not, the same mask, the same gradients.
+    ws, x, key = weights(), rand((32, 64), seed=0), jax.random.key(7)
+    compiled = _vjp_grad(ws, x, key)
+    with pytest.MonkeyPatch.context() as mp:
+        by_record = _record_by_record(mp, lambda: _vjp_grad(ws, x, key))
+    for a, b in zip(jax.tree.leaves(compiled), jax.tree.leaves(by_record)):
+        assert jnp.array_equal(a, b)
+
+
+def test_a_float_rebuild_runs_record_by_record():
+    # A layer norm's output, rebuilt from what its backward keeps: compiled, XLA could
+    # fuse ``* g + b`` into one rounding and rebuild a value forward never computed.
+    p = {"g": 1.0 + rand((64,), seed=1) / 8, "b": rand((64,), seed=2) / 8}
+    p["w"] = rand((64, 64), seed=3) / 8
+    x = rand((256, 64), seed=0)
+    tape = tg.trace(layer_norm_loss, argnums=(0, 1))(p, x)
+    assert tape.segments and not any(s.compiled for s in tape.segments)
+    out, vjp_fn = tg.vjp(layer_norm_loss, p, x)
+    want = jax.grad(layer_norm_loss, argnums=(0, 1))(p, x)
+    assert_trees_close(vjp_fn(jnp.ones_like(out)), want, rtol=1e-4, atol=1e-4)
