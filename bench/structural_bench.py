@@ -1,6 +1,6 @@
 """Lossless structural residuals (issue 16, item 1): bytes kept and jit step time.
 
-    python bench/structural_bench.py [--quick]
+    python bench/structural_bench.py [--quick] [--part {masks,memory,all}] [--op-by-op]
 
 Three models: an 8-layer ReLU MLP (batch 256, width 128: 256x128 activations), a small
 CNN (conv-relu-maxpool x2, dense; batch 32, 28x28x1) and the same MLP with dropout
@@ -13,6 +13,18 @@ CNN (conv-relu-maxpool x2, dense; batch 32, 28x28x1) and the same MLP with dropo
 * jitted ``tg.grad`` step time vs ``jax.grad``'s, packing on and off (interleaved rounds);
 * the largest |tg.grad - jax.grad| (exact: masks are lossless).
 
+The dropout masks are not kept: each is rebuilt in backward from its key (a few bytes),
+so the dropout rows' mask columns read 0 and ``tg.vjp``'s bytes are the MLP's.
+
+``--part memory`` prints, per model, what an eager training step holds and costs: the
+bytes held between ``tg.vjp``'s forward and backward (``jax.live_arrays``), the backward
+peak beyond the inputs (``tg.memory_report``'s ``peak_beyond_inputs_bytes``, and the
+same peak measured from live arrays over an eager forward and backward), and the step
+time of ``tg.grad`` against ``jax.grad``, eager and jitted. Run it with ``PYTHONPATH``
+on two checkouts to compare them; ``--op-by-op`` runs rebuilt draws record by record
+instead of as one compiled call (`Segment.compiled`), to show the transient that call
+removes.
+
 Two variants of the MLP and dropout MLP: weights differentiated (the usual training step;
 relu reads its mask off its output, which the next matmul keeps anyway) and weights
 constant (input gradient only: nothing else keeps relu's output, the mask is its residual).
@@ -21,6 +33,7 @@ constant (input gradient only: nothing else keeps relu's output, the mask is its
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import statistics
 
@@ -155,9 +168,46 @@ def run(name, f, args, argnums, rounds, out):
     out.append((name, tg_on, tg_off, jx, kept, kept_off, stands, med, err))
 
 
+def memory_row(name, f, args, argnums, rounds) -> str:
+    from tapegrad.policies._planner_measure import measured_peak
+
+    held_b = held(tg.vjp, f, args)
+    rep = tg.memory_report(f, argnums=argnums)(*args)
+    peak = measured_peak(f, args, None, argnums=argnums)
+    fns = {
+        "tg": lambda: tg.grad(f, argnums=argnums)(*args),
+        "jax": lambda: jax.grad(f, argnums=argnums)(*args),
+        "tg jit": jax.jit(tg.grad(f, argnums=argnums)),
+        "jax jit": jax.jit(jax.grad(f, argnums=argnums)),
+    }
+    for k in ("tg jit", "jax jit"):
+        fns[k] = functools.partial(fns[k], *args)
+    med = {
+        k: statistics.median(v) * 1e3 for k, v in interleaved(fns, rounds=rounds, warmup=3).items()
+    }
+    eager, jit = med["tg"] / med["jax"], med["tg jit"] / med["jax jit"]
+    return (
+        f"| {name} | {held_b:,} | {rep.peak_beyond_inputs_bytes:,} | {peak:,} |"
+        f" {med['tg']:.2f} / {med['jax']:.2f} ms **{eager:.2f}x** |"
+        f" {med['tg jit']:.2f} / {med['jax jit']:.2f} ms **{jit:.2f}x** |"
+    )
+
+
+def memory_table(models, rounds: int) -> None:
+    print(
+        "| model | held after forward (B) | memory_report backward peak (B) |"
+        " measured backward peak (B) | eager tg.grad / jax.grad | jit tg.grad / jax.grad |"
+    )
+    print("|---|---|---|---|---|---|")
+    for name, f, args, argnums in models:
+        print(memory_row(name, f, args, argnums, rounds), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--part", choices=("masks", "memory", "all"), default="all")
+    ap.add_argument("--op-by-op", action="store_true")
     a = ap.parse_args()
     rounds = 10 if a.quick else 40
     key = jax.random.PRNGKey(0)
@@ -165,6 +215,23 @@ def main() -> None:
     x = jax.random.normal(jax.random.PRNGKey(1), (256, 128))
     p = cnn_params(key)
     img = jax.random.normal(jax.random.PRNGKey(2), (32, 28, 28, 1))
+    if a.op_by_op:
+        from tapegrad import _interpret
+
+        _interpret.run_compiled_segment = lambda *_: None  # the per-record path instead
+    print(f"tapegrad from {tg.__file__}" + (" (rebuilt draws op by op)" if a.op_by_op else ""))
+    if a.part in ("memory", "all"):
+        memory_table(
+            [
+                ("relu MLP 8x128, batch 256 (w, x)", relu_mlp, (ws, x), (0, 1)),
+                ("CNN conv-relu-pool x2, dense (p, x)", cnn, (p, img), (0, 1)),
+                ("dropout MLP 8x128 (w, x)", dropout_mlp, (ws, x), (0, 1)),
+                ("dropout MLP, weights constant (x)", lambda x: dropout_mlp(ws, x), (x,), 0),
+            ],
+            rounds,
+        )
+    if a.part == "memory":
+        return
     rows: list = []
     run("relu MLP 8x128, batch 256 (w, x)", relu_mlp, (ws, x), (0, 1), rounds, rows)
     run("relu MLP, weights constant (x)", lambda x: relu_mlp(ws, x), (x,), 0, rounds, rows)

@@ -19,6 +19,7 @@ import enum
 import functools
 import math
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any, TypeGuard
 
 import jax
@@ -27,6 +28,7 @@ import numpy as np
 from tapegrad import _jax_compat as compat
 from tapegrad._tape import Record, Segment, Tape, Var
 from tapegrad.policies._base import SAVE, is_exact
+from tapegrad.rules._registry import keeping_operands
 
 __all__ = [
     "CheckpointPolicy",
@@ -248,7 +250,12 @@ def decide_records(tape: Tape, policy: Any, whole: bool = True) -> list[str]:
     return _decide(tape, policy, whole, rebuild=True)[0]
 
 
-def _decide(tape: Tape, policy: Any, whole: bool, rebuild: bool) -> tuple[list[str], set[int]]:
+def _decide(
+    tape: Tape, policy: Any, whole: bool, rebuild: bool
+) -> tuple[list[str], set[int], Tape]:
+    """Decisions, the records rebuilt for free, and the tape they apply to: records
+    whose masks' operands are rebuilt keep those operands instead (`rebuilt_records`),
+    which the planner must see to count what is kept."""
     regions = {r.id: r for r in tape.regions}
     plan = getattr(policy, "plan", None)
     if plan is not None and not whole:
@@ -260,7 +267,7 @@ def _decide(tape: Tape, policy: Any, whole: bool, rebuild: bool) -> tuple[list[s
             else:
                 c = choose(rec) if choose is not None else None
                 out.append("recompute" if c is P.NEVER else "save")
-        return out, set()
+        return out, set(), tape
     base = getattr(policy, "base", None) if plan is not None else policy
     choose = getattr(base, "choose", None)
     decide = getattr(policy, "decide", None)
@@ -280,16 +287,27 @@ def _decide(tape: Tape, policy: Any, whole: bool, rebuild: bool) -> tuple[list[s
         open_.append(rec.region is None and c in (None, P.PREFER_SAVE))
     rebuilt: set[int] = set()
     if rebuild and whole and is_exact(policy):
-        rebuilt = rebuilt_records(tape, [f if f is not None else "save" for f in fixed], open_)
+        # A planner counts a recomputed segment record by record, a draw's transient (the
+        # bits, the uniform floats: several times the packed mask it frees) included;
+        # made binding here, that would raise the least peak it can reach. It keeps the
+        # mask instead (eagerly the rebuild runs as one call, `Segment.compiled`, which
+        # its cost model does not know).
+        rebuilt, plain = rebuilt_records(
+            tape, [f if f is not None else "save" for f in fixed], open_, draws=plan is None
+        )
         for i in rebuilt:
             fixed[i] = "recompute"
+        if plain:
+            records = tuple(plain.get(r.index, r) for r in tape.records)
+            tape = dataclasses.replace(tape, records=records)
     if plan is not None:
-        return plan(tape, fixed), rebuilt
-    return [f if f is not None else "save" for f in fixed], rebuilt
+        return plan(tape, fixed), rebuilt, tape
+    return [f if f is not None else "save" for f in fixed], rebuilt, tape
 
 
-# Exact, cheap ops (elementwise arithmetic, casts, layout): rebuilding their output in
-# backward costs a few memory-bound ops and gives the very same bits.
+# Exact, cheap ops (elementwise arithmetic, casts, bit ops, comparisons, layout):
+# rebuilding their output in backward costs a few memory-bound ops and gives the very
+# same bits.
 _REBUILDABLE = frozenset(
     {
         "add",
@@ -301,6 +319,20 @@ _REBUILDABLE = frozenset(
         "min",
         "select_n",
         "convert_element_type",
+        "bitcast_convert_type",
+        "shift_left",
+        "shift_right_logical",
+        "shift_right_arithmetic",
+        "and",
+        "or",
+        "xor",
+        "not",
+        "eq",
+        "ne",
+        "lt",
+        "le",
+        "gt",
+        "ge",
         "broadcast_in_dim",
         "reshape",
         "squeeze",
@@ -310,11 +342,23 @@ _REBUILDABLE = frozenset(
         "concatenate",
     }
 )
+# Counter-based random bits: a pure function of the key (jax.random's contract, and what
+# jax.checkpoint relies on when it recomputes dropout). Not XLA's stateful rng_uniform,
+# which `_trace._NO_CSE` never merges either. Tens of integer ops per element, not one:
+# rebuilt only where what they free has as many elements (`_worth_rebuilding`).
+_RANDOM = frozenset({"random_bits", "threefry2x32"})
+# Keys (and their raw data) are a few bytes each: kept, never rebuilt, however they were
+# made. A key split in two for two dropouts then starts two segments, each rebuilding its
+# own mask at its own backward step, rather than one rebuilding both at the first.
+_KEYS = frozenset({"random_seed", "random_wrap", "random_unwrap", "random_fold_in", "random_split"})
 
 
-def rebuilt_records(tape: Tape, decisions: Sequence[str], open_: Sequence[bool]) -> set[int]:
+def rebuilt_records(
+    tape: Tape, decisions: Sequence[str], open_: Sequence[bool], draws: bool = True
+) -> tuple[set[int], dict[int, Record]]:
     """Records whose outputs backward rebuilds instead of keeping, because it holds
-    everything needed to rebuild them anyway.
+    everything needed to rebuild them anyway; and records that keep their operands
+    instead of masks derived from them, because those operands are rebuilt.
 
     A cheap op (`_REBUILDABLE`) whose operands are all kept anyway -- the function's
     inputs and constants, values some record saves for its own backward, or outputs of
@@ -325,25 +369,73 @@ def rebuilt_records(tape: Tape, decisions: Sequence[str], open_: Sequence[bool])
     them. The cost is the op run again in backward (under jit, without a barrier: XLA
     may merge it with the forward value, which is no worse than saving it).
 
+    Random bits (`_RANDOM`) are rebuilt the same way from a kept key, and a record that
+    keeps a bit-packed mask of an operand (``select_n``'s predicate) keeps the operand
+    instead when that operand is rebuilt (`keeping_operands`): a dropout
+    ``where(bernoulli(key, p, x.shape), x / p, 0)`` keeps no mask, only the key.
+
     Only records whose decision is open (`save` by default or PREFER_SAVE, outside a
     checkpoint region) and which have no names (a `tg.name`d value is the user's
-    to decide) are rebuilt; a tape's outputs are left alone."""
+    to decide) are rebuilt; a tape's outputs are left alone; random draws only with
+    ``draws``. Returns the indices of the rebuilt records and the records that switch to
+    keeping operands, by index."""
+    banned: set[int] = set() if draws else {r.index for r in tape.records if r.primitive in _RANDOM}
+    while True:
+        rebuilt, plain, saved = _rebuilt_once(tape, decisions, open_, banned)
+        readers: dict[int, list[Record]] = {}
+        for r in tape.records:
+            if r.index in rebuilt:
+                for u in r.inputs:
+                    if isinstance(u, Var):
+                        readers.setdefault(u.id, []).append(r)
+        costly = {
+            i
+            for i in rebuilt
+            if tape.records[i].primitive in _RANDOM
+            and not _worth_rebuilding(tape.records[i], readers, saved)
+        }
+        if not costly:
+            return rebuilt, plain
+        banned |= costly
+
+
+def _rebuilt_once(
+    tape: Tape, decisions: Sequence[str], open_: Sequence[bool], banned: set[int]
+) -> tuple[set[int], dict[int, Record], set[int]]:
     producer: dict[int, Record] = {}
     for rec in tape.records:
         for o in rec.outputs:
             producer[o.id] = rec
-    saved = {
+    saved: set[int] = {
         rec.residual_key(s)
         for rec in tape.records
         if rec.rule != "none"
         for s in rec.saves
         if s.kind != "aux"
     }
+    kept_by_rules = frozenset(saved)  # not counting operands kept because they are rebuilt
     outputs = {o.id for o in tape.outputs if isinstance(o, Var)}
     rebuilt: set[int] = set()
+
+    def kept(u: object) -> bool:
+        if not isinstance(u, Var) or u.id not in producer:
+            return True  # a literal, an input or a constant: held by the caller
+        p = producer[u.id]
+        if p.index in rebuilt:
+            return True
+        return decisions[p.index] == "save" and (u.id in kept_by_rules or p.primitive in _KEYS)
+
+    plain: dict[int, Record] = {}
     for rec in tape.records:
+        if rec.rule == "rule" and decisions[rec.index] == "save":
+            # Its mask's operand is rebuilt (or kept) anyway: keep that instead, for free.
+            alt = keeping_operands(rec)
+            if alt is not None and all(kept(rec.inputs[s.index]) for s in alt.saves):
+                plain[rec.index] = rec = alt
+                saved.update(rec.inputs[s.index].id for s in rec.saves)
         if not (
-            rec.primitive in _REBUILDABLE
+            (rec.primitive in _REBUILDABLE or rec.primitive in _RANDOM)
+            and rec.index not in banned
             and open_[rec.index]
             and decisions[rec.index] == "save"
             and not rec.names
@@ -355,17 +447,7 @@ def rebuilt_records(tape: Tape, decisions: Sequence[str], open_: Sequence[bool])
             and not any(o.id in outputs for o in rec.outputs)
         ):
             continue
-        ok = True
-        for u in rec.inputs:
-            if not isinstance(u, Var) or u.id not in producer:
-                continue  # a literal, an input or a constant: held by the caller
-            p = producer[u.id]
-            if p.index in rebuilt:
-                continue
-            if u.id not in saved or decisions[p.index] != "save":
-                ok = False
-                break
-        if ok:
+        if all(kept(u) for u in rec.inputs):
             rebuilt.add(rec.index)
     # Only what backward needs: a rebuilt output some record saves, and what it is built from.
     needed: set[int] = set()
@@ -377,11 +459,35 @@ def rebuilt_records(tape: Tape, decisions: Sequence[str], open_: Sequence[bool])
             for u in tape.records[i].inputs:
                 if isinstance(u, Var) and u.id in producer and producer[u.id].index in rebuilt:
                     stack.append(producer[u.id].index)
-    return needed
+    return needed, plain, saved
 
 
-def build_segments(tape: Tape, decisions: Sequence[str]) -> tuple[Segment, ...]:
-    """Group the recomputed records that backward needs into segments."""
+def _worth_rebuilding(draw: Record, readers: dict[int, list[Record]], saved: set[int]) -> bool:
+    """Random bits are rebuilt only for kept values of as many elements as they have
+    (reached through the rebuilt records that read them): a dropout mask is, a slice of
+    a larger draw is not (the draw would cost more than the few bytes it frees)."""
+    freed, seen, stack = 0, {draw.index}, [draw]
+    while stack:
+        r = stack.pop()
+        for o in r.outputs:
+            if o.id in saved:
+                freed += math.prod(o.shape)
+            for c in readers.get(o.id, ()):
+                if c.index not in seen:
+                    seen.add(c.index)
+                    stack.append(c)
+    return freed >= max(math.prod(o.shape) for o in draw.outputs)
+
+
+def build_segments(
+    tape: Tape, decisions: Sequence[str], copied: AbstractSet[int] = frozenset()
+) -> tuple[Segment, ...]:
+    """Group the recomputed records that backward needs into segments.
+
+    A record in ``copied`` (free rebuilds) that reads no recomputed value and provides no
+    residual itself joins no segments together: each segment that reads it runs its own
+    copy. The zeros two CSE-merged ``jnp.where(m, x, 0.)`` share would otherwise make
+    one segment of two dropouts, rebuilt together at the first one's backward."""
     producer: dict[int, Record] = {}
     for rec in tape.records:
         for o in rec.outputs:
@@ -427,16 +533,32 @@ def build_segments(tape: Tape, decisions: Sequence[str]) -> tuple[Segment, ...]:
             i = parent[i]
         return i
 
-    for i in needed:
+    # Copied: records built from kept values and literals alone (through other copies).
+    copies: set[int] = set()
+    for j in sorted(needed & set(copied)):
+        if j not in wanted and all(
+            not recomputed(u) or producer[u.id].index in copies for u in tape.records[j].inputs
+        ):
+            copies.add(j)
+    for i in needed - copies:
         rec = tape.records[i]
         for u in rec.inputs:
             if isinstance(u, Var) and u.id in producer:
                 j = producer[u.id].index
-                if j in needed and tape.records[j].region == rec.region:
+                if j in needed and j not in copies and tape.records[j].region == rec.region:
                     parent[find(i)] = find(j)
     groups: dict[int, list[int]] = {}
-    for i in sorted(needed):
+    for i in sorted(needed - copies):
         groups.setdefault(find(i), []).append(i)
+    for members in groups.values():
+        todo = list(members)
+        while todo:
+            for u in tape.records[todo.pop()].inputs:
+                j = producer[u.id].index if recomputed(u) else -1
+                if j in copies and j not in members:
+                    members.append(j)
+                    todo.append(j)
+        members.sort()
 
     regions = {r.id: r for r in tape.regions}
     groups_l = sorted(groups.values())
@@ -542,7 +664,11 @@ def _prune(tape: Tape, seg: Segment, producer: dict[int, Record]) -> Segment:
 
 def segment_peak(tape: Tape, seg: Segment) -> int:
     """Peak bytes a segment's recomputation holds: outputs kept so far plus the
-    intermediates still needed (the interpreter frees them at their last use)."""
+    intermediates still needed (the interpreter frees them at their last use); a
+    ``compiled`` segment's, its outputs alone (its intermediates live inside the one
+    call, never as arrays)."""
+    if seg.compiled:
+        return sum(o.nbytes for o in seg.outputs)
     keep = {o.id for o in seg.outputs}
     last: dict[int, int] = {}
     for k in seg.records:
@@ -582,14 +708,30 @@ def plan_recompute(
     tape = _plan_bodies(tape, policy)
     rebuilt: set[int] = set()
     if decisions is None:
-        decisions, rebuilt = _decide(tape, policy, True, rebuild)
+        decisions, rebuilt, tape = _decide(tape, policy, True, rebuild)
     if all(d == "save" for d in decisions) and all(r.decision == "save" for r in tape.records):
         return tape
-    records = tuple(dataclasses.replace(r, decision=d) for r, d in zip(tape.records, decisions))
-    segs = build_segments(dataclasses.replace(tape, records=records), decisions)
+    # A record whose decision stands is the very object (its cached fused key with it).
+    records = tuple(
+        r if r.decision == d else dataclasses.replace(r, decision=d)
+        for r, d in zip(tape.records, decisions)
+    )
+    segs = build_segments(dataclasses.replace(tape, records=records), decisions, rebuilt)
     if rebuilt:  # a segment of free rebuilds alone needs no barrier against CSE
+        # Eagerly, a draw rebuilt op by op would hold its random bits and floats, several
+        # times the mask it frees, while backward rebuilds it: it runs as one compiled
+        # call instead, where XLA fuses the draw into the mask (integer ops and
+        # comparisons: the very bits forward drew). Float chains alone stay op by op:
+        # XLA may fuse a multiply and an add into one rounding, and a rebuilt value must
+        # be the one forward computed.
         segs = tuple(
-            dataclasses.replace(g, prevent_cse=False) if rebuilt.issuperset(g.records) else g
+            dataclasses.replace(
+                g,
+                prevent_cse=False,
+                compiled=any(records[i].primitive in _RANDOM for i in g.records),
+            )
+            if rebuilt.issuperset(g.records)
+            else g
             for g in segs
         )
     return dataclasses.replace(tape, records=records, segments=segs)

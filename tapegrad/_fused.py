@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -44,7 +44,7 @@ from tapegrad._caches import BoundedCache
 from tapegrad._tape import Lit, Record, Tape, Var
 from tapegrad.rules import FALLBACK, lookup
 
-__all__ = ["grad_key", "run_grad", "value_key", "NoKey"]
+__all__ = ["grad_key", "run_grad", "segment_call", "value_key", "NoKey"]
 
 
 class NoKey(Exception):
@@ -359,3 +359,74 @@ def run_grad(
         else:
             outs.append(v)
     return outs, list(in_cts), list(captured)
+
+
+# A compiled recompute segment (`Segment.compiled`: a random draw rebuilt from its key).
+# Eagerly, backward would run it op by op and hold the draw's bits and floats while it
+# rebuilds the mask; one compiled call holds its inputs and outputs only (XLA fuses the
+# draw into the mask). Keyed by structure like `run_grad`'s calls (records, operands,
+# shapes, dtypes; literals are arguments), so a training loop compiles each segment
+# once. Compiled at its first sighting: what it saves in memory must hold on every call.
+_SEGMENTS = BoundedCache("fused.segments", max_entries=256)
+
+
+def _input_key(v: Var) -> tuple:
+    # A segment's inputs include keys (extended dtypes), which jax.jit takes as arguments.
+    mesh = getattr(getattr(v, "sharding", None), "mesh", None)
+    if mesh is not None and not mesh.empty:
+        raise NoKey
+    return (v.id, v.shape, str(v.dtype))
+
+
+def _local_record_key(rec: Record, num: Callable[[int], int]) -> tuple:
+    """`_record_key` with the record's operand and output ids renumbered by ``num``."""
+    k = _record_key(rec)
+    ops = tuple(num(i.id) if type(i) is Var else o for i, o in zip(rec.inputs, k[3]))
+    outs = tuple((num(o[0]),) + o[1:] for o in k[4])
+    return k[:3] + (ops, outs) + k[5:]
+
+
+def segment_call(tape: Tape, seg: Any) -> Any:
+    """``fn(input values) -> {output id: value}``: `_interpret.run_segment` of ``seg`` as
+    one compiled call, or None when the segment cannot be keyed soundly."""
+    records = tuple(tape.records[k] for k in seg.records)
+    if any(_runs_bodies(r) or any(s.kind == "aux" for s in r.saves) for r in records):
+        return None  # wanted beyond its outputs: the per-record path provides it
+    sub = Tape(seg.inputs, records, seg.outputs)
+    # Values renumbered in order of appearance: the same layer's rebuild at another
+    # depth of the network (other value ids, same computation) shares one executable.
+    local: dict[int, int] = {}
+
+    def num(i: int) -> int:
+        return local.setdefault(i, len(local))
+
+    try:
+        key = (
+            tuple((num(v.id),) + _input_key(v)[1:] for v in seg.inputs),
+            tuple(_local_record_key(r, num) for r in records),
+            tuple(num(o.id) for o in seg.outputs),
+        )
+        hash(key)
+    except (NoKey, TypeError, ValueError):
+        return None
+    fn = _SEGMENTS.get(key)
+    if fn is None:
+        fn = _SEGMENTS.put(key, jax.jit(_segment_body(sub, seg.outputs)))
+    lits = [np.asarray(i.value, i.dtype) for i in _lits_of(sub, [])]
+    # The executable may have been traced on another segment of this structure: its
+    # outputs come back in order, named by this segment's ids.
+    return lambda vals: dict(zip((o.id for o in seg.outputs), fn(vals, lits)))
+
+
+def _segment_body(sub: Tape, outputs: Sequence[Var]):
+    from tapegrad._interpret import run_segment
+
+    ids = [o.id for o in outputs]
+    wanted = set(ids)
+
+    def body(vals, lits):
+        t = _with_lits(sub, iter(lits))
+        out = run_segment(t.records, wanted, {v.id: x for v, x in zip(t.inputs, vals)}, None)
+        return [out[i] for i in ids]
+
+    return body

@@ -23,7 +23,7 @@ from jax import lax
 
 from tapegrad import _jax_compat as compat
 from tapegrad._caches import BoundedCache
-from tapegrad._fused import NoKey, value_key
+from tapegrad._fused import NoKey, segment_call, value_key
 from tapegrad._loops import loop_backward, loop_forward
 from tapegrad._tape import Lit, Record, Saved, Segment, Tape, Var, as_dtype
 from tapegrad.errors import ResidualError, where
@@ -397,6 +397,49 @@ def _saved_values(rec: Record, saves, keys, get) -> tuple[list, list, list]:
     return x, y, aux
 
 
+def run_segment(records: Sequence[Record], wanted: set[Any], vals: dict[Any, Any], res) -> dict:
+    """Run a recompute segment's records forward from ``vals`` (its input values, by var
+    id; consumed), freeing intermediates at their last use. Returns what backward wants
+    of it: the outputs and derived residuals whose keys are in ``wanted``, and each
+    loop's per-step residuals. The one runner for both eager paths: record by record,
+    or traced into one compiled call (`run_compiled_segment`)."""
+    out: dict[Any, Any] = {}
+    last: dict[int, int] = {}
+    for n, rec in enumerate(records):
+        for u in rec.inputs:
+            if isinstance(u, Var):
+                last[u.id] = n
+    for n, rec in enumerate(records):
+        ins = [vals[u.id] if isinstance(u, Var) else u.value for u in rec.inputs]
+        if rec.bodies and rec.rule != "none":
+            outs, out[("body", rec.index)] = loop_forward(rec, ins, res)
+            derived: Any = None
+        else:
+            outs, derived = _run(rec, ins)  # type: ignore[assignment]
+        for o, val in zip(rec.outputs, outs):
+            if o.id in wanted:
+                out[o.id] = val
+            if o.id in last:
+                vals[o.id] = val
+        for s in rec.saves:
+            if s.kind == "aux" and rec.residual_key(s) in wanted:
+                out[rec.residual_key(s)] = derived[s.index]
+        del ins, outs, derived
+        for u in rec.inputs:  # free intermediates at their last use
+            if isinstance(u, Var) and last.get(u.id) == n:
+                vals.pop(u.id, None)
+    return out
+
+
+def run_compiled_segment(tape: Tape, seg: Segment, vals: dict[Any, Any]) -> dict | None:
+    """`run_segment` as one compiled call (cached by the segment's structure), for a
+    ``compiled`` segment run eagerly; None when it cannot be keyed soundly."""
+    fn = segment_call(tape, seg)
+    if fn is None:
+        return None
+    return fn([vals[v.id] for v in seg.inputs])
+
+
 def backward(
     tape: Tape,
     res: Residuals,
@@ -466,8 +509,7 @@ def backward(
 
     def _recompute(seg: Segment) -> None:
         """Re-run a segment forward from its saved inputs, keeping what backward needs."""
-        wanted = {o.id for o in seg.outputs}
-        vals: dict[int, Any] = {}
+        vals: dict[Any, Any] = {}
         for v in seg.inputs:
             rec0 = next(
                 tape.records[k]
@@ -482,31 +524,22 @@ def backward(
             ids = list(vals)
             barred, _ = lax.optimization_barrier((tuple(vals[i] for i in ids), tuple(trigger)))
             vals = dict(zip(ids, barred))
-        last: dict[int, int] = {}
-        for k in seg.records:
-            for u in tape.records[k].inputs:
-                if isinstance(u, Var):
-                    last[u.id] = k
+        wanted: set[Any] = {o.id for o in seg.outputs}
         for k in seg.records:
             rec = tape.records[k]
-            ins = [vals[u.id] if isinstance(u, Var) else u.value for u in rec.inputs]
-            if rec.bodies and rec.rule != "none":
-                outs, recomputed[("body", rec.index)] = loop_forward(rec, ins, res)
-                derived: Any = None
-            else:
-                outs, derived = _run(rec, ins)  # type: ignore[assignment]
-            for o, val in zip(rec.outputs, outs):
-                if o.id in wanted:
-                    recomputed[o.id] = val
-                if o.id in last:
-                    vals[o.id] = val
-            for s in rec.saves:
-                if s.kind == "aux" and rec.residual_key(s) in seg_of:
-                    recomputed[rec.residual_key(s)] = derived[s.index]
-            del ins, outs, derived
-            for u in rec.inputs:  # free intermediates at their last use
-                if isinstance(u, Var) and last.get(u.id) == k:
-                    vals.pop(u.id, None)
+            wanted.update(
+                rec.residual_key(s)
+                for s in rec.saves
+                if s.kind == "aux" and rec.residual_key(s) in seg_of
+            )
+        records = [tape.records[k] for k in seg.records]
+        out = None
+        if seg.compiled and _is_concrete(vals.values()):
+            out = run_compiled_segment(tape, seg, vals)
+        if out is None:
+            out = run_segment(records, wanted, vals, res)
+        recomputed.update(out)
+        del out, vals
         for v in seg.inputs:
             release(v.id)
 

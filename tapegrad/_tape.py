@@ -331,6 +331,8 @@ class Segment:
     ``inputs`` are the values kept from forward (packed through the residual
     policy); ``outputs`` are the residual values the segment provides to
     backward; recomputation runs once, at the first backward use of any of them.
+    ``compiled``: eagerly, backward runs the segment as one compiled call (a random
+    draw rebuilt from its key), so only its inputs and outputs are ever live arrays.
     """
 
     id: int
@@ -338,6 +340,7 @@ class Segment:
     inputs: tuple[Var, ...]
     outputs: tuple[Var, ...]
     prevent_cse: bool = True
+    compiled: bool = False
 
 
 @dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)

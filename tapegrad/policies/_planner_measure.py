@@ -87,19 +87,26 @@ def measured_peak(
     cts = [jax.numpy.ones_like(o) for o in flat_out[: t.n_out]]
     sampler = _Sampler(before | {id(o) for o in flat_out} | {id(c) for c in cts}, dev)
     sampler.sample()
-    run = _interpret._run
+    run, run_compiled = _interpret._run, _interpret.run_compiled_segment
 
     def sampled_run(rec, ins):  # records re-run in backward: the recomputation's peak
         out = run(rec, ins)
-        jax.block_until_ready(out[0])
+        if not any(isinstance(o, jax.core.Tracer) for o in out[0]):  # not inside a compiled segment
+            jax.block_until_ready(out[0])
+            sampler.sample()
+        return out
+
+    def sampled_compiled(tape, seg, vals):  # a segment run as one call: after it
+        out = run_compiled(tape, seg, vals)
+        jax.block_until_ready(out)
         sampler.sample()
         return out
 
-    _interpret._run = sampled_run
+    _interpret._run, _interpret.run_compiled_segment = sampled_run, sampled_compiled
     try:
         _interpret.backward(
             t.tape, res, cts + [None] * (len(flat_out) - t.n_out), retain=False, observer=sampler
         )
     finally:
-        _interpret._run = run
+        _interpret._run, _interpret.run_compiled_segment = run, run_compiled
     return sampler.peak

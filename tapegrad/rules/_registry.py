@@ -30,6 +30,7 @@ __all__ = [
     "defrule",
     "defnondiff",
     "lookup",
+    "keeping_operands",
     "share_operands",
 ]
 
@@ -152,24 +153,32 @@ def zero_saves(*_):
     return ()
 
 
+def keeping_operands(rec):
+    """``rec`` keeping the operands its rule can read instead of its derived values
+    (bit-packed masks), or None when it keeps no derived values or its rule has no such
+    form. Callers decide when that is worth it: when the operands are kept anyway
+    (`share_operands`), or rebuilt in backward for free (`_checkpoint.rebuilt_records`)."""
+    rule = RULES.get(rec.primitive)
+    if rule is None or rule.plain is None or not any(s.kind == "aux" for s in rec.saves):
+        return None
+    refs = rule.plain(rec.params, rec.inputs, rec.outputs, rec.active)
+    if any(kind != "in" for kind, _ in refs):
+        return None
+    saves = tuple(
+        Saved("in", i, tuple(rec.inputs[i].shape), rec.inputs[i].dtype)
+        for _, i in refs
+        if isinstance(rec.inputs[i], Var)  # a literal lives in the program
+    )
+    return dataclasses.replace(rec, saves=saves)
+
+
 def share_operands(rec, free: AbstractSet[int]):
     """``rec`` keeping its operands instead of values derived from them (bit-packed
     masks) when every such operand is kept anyway: a literal, a value in ``free`` (the
     function's inputs, which the caller holds, or a value another record saves). Packed
     masks cost a bit per element; operands kept anyway cost nothing. Returns the record
     unchanged otherwise."""
-    rule = RULES.get(rec.primitive)
-    if rule is None or rule.plain is None or not any(s.kind == "aux" for s in rec.saves):
+    plain = keeping_operands(rec)
+    if plain is None or any(rec.inputs[s.index].id not in free for s in plain.saves):
         return rec
-    refs = rule.plain(rec.params, rec.inputs, rec.outputs, rec.active)
-    if any(kind != "in" for kind, _ in refs):
-        return rec
-    kept = [rec.inputs[i] for _, i in refs]
-    if any(isinstance(v, Var) and v.id not in free for v in kept):
-        return rec
-    saves = tuple(
-        Saved("in", i, tuple(v.shape), v.dtype)
-        for (_, i), v in zip(refs, kept)
-        if isinstance(v, Var)  # a literal lives in the program
-    )
-    return dataclasses.replace(rec, saves=saves)
+    return plain

@@ -138,23 +138,37 @@ def test_relu6_and_leaky_relu():
         lambda x: jnp.sum(jnp.sin(jax.nn.leaky_relu(x, 0.1))),
     ):
         _check_vjp(f, x, jit=True)
-    # leaky_relu is a where on x >= 0: its predicate is kept packed (the slope, a float32
-    # scalar the mul that scales x needs, is rebuilt from its literal in backward).
-    tape, saves = _saves(lambda x: jnp.sum(jax.nn.leaky_relu(x, 0.1) * 2.0), x)
+    # leaky_relu is a where on x >= 0: the predicate is rebuilt in backward from x, which
+    # the caller holds, so select_n keeps it (rebuilt) rather than a packed copy; the slope,
+    # a float32 scalar the mul that scales x needs, is rebuilt from its literal.
+    f = lambda x: jnp.sum(jax.nn.leaky_relu(x, 0.1) * 2.0)  # noqa: E731
+    tape, saves = _saves(f, x)
     assert sorted(saves) == [
         ("mul", None, "in", (), "float32"),
-        ("select_n", None, "aux", (ROWS, 5), "uint8"),
+        ("select_n", None, "in", (ROWS, COLS), "bool"),
     ]
-    assert tape.saved_bytes == PACKED
+    (ge,) = [r for r in tape.records if r.primitive == "ge"]
+    assert ge.decision == "recompute"
+    assert _held(f, x) == 0
+    # Under a lossy policy nothing is rebuilt: the predicate is kept packed, the slope kept.
+    assert _held(f, x, policy=tg.policies.compress(jnp.float32)) == PACKED + 4
 
 
 def test_where_keeps_its_predicate_packed():
     x, y = _special(), _finite()
-    f = lambda x, y: jnp.sum(jnp.where(x > y, x * 2, y) ** 2)  # noqa: E731
+    # sin(x) is kept by nobody (sin keeps x): the predicate cannot be rebuilt for free.
+    f = lambda x, y: jnp.sum(jnp.where(jnp.sin(x) > y, x * 2, y) ** 2)  # noqa: E731
     _check_vjp(f, x, y, jit=True)
     tape, _ = _saves(f, x, y, argnums=(0, 1))
     (sel,) = [r for r in tape.records if r.primitive == "select_n"]
     assert [(s.kind, s.shape, s.dtype) for s in sel.saves] == [("aux", (ROWS, 5), np.uint8)]
+    # x > y on inputs is rebuilt from them in backward: no mask kept at all.
+    g = lambda x, y: jnp.sum(jnp.where(x > y, x * 2, y) ** 2)  # noqa: E731
+    _check_vjp(g, x, y, jit=True)
+    tape, _ = _saves(g, x, y, argnums=(0, 1))
+    (sel,) = [r for r in tape.records if r.primitive == "select_n"]
+    assert [(s.kind, s.dtype) for s in sel.saves] == [("in", np.bool_)]
+    assert [r.decision for r in tape.records if r.primitive == "gt"] == ["recompute"]
 
 
 def test_where_with_a_literal_or_integer_selector():
