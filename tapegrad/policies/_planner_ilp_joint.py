@@ -372,18 +372,36 @@ def plan_candidate(
     costs: CostModel,
     prefetch: int = 0,
     time_limit: float = TIME_LIMIT_S,
+    tries: int = 3,
 ) -> tuple[str, ...] | None:
     """The ILP's save/recompute decisions (binding ones applied) for `Budget` to score
     as one more candidate; None when highspy is missing, the tape is too large or
-    outside the model, or no solution was found in ``time_limit`` seconds."""
+    outside the model, or no solution was found in ``time_limit`` seconds.
+
+    The relaxation undercounts bytes, so its plan may not fit under the executor's
+    schedule even with every residual at its fewest bytes; then it is solved again at
+    a budget lowered by the overflow (up to ``tries`` solves, sharing the time limit)."""
     from tapegrad.policies import _planner_ilp
+    from tapegrad.policies._planner_fast import TapeIndex
 
     if not _planner_ilp.available() or len(tape.records) > MAX_RECORDS:
         return None
-    model = build(tape, fixed, budget, mechanisms, costs, prefetch)
-    if model is None:
-        return None
-    sol = solve(model, time_limit)
-    if sol.decisions is None:
-        return None
-    return tuple(f if f is not None else d for f, d in zip(fixed, sol.decisions))
+    index = TapeIndex(tape)
+    target = budget
+    dec = None
+    deadline = time.perf_counter() + time_limit
+    for _ in range(tries):
+        left = deadline - time.perf_counter()
+        model = build(tape, fixed, target, mechanisms, costs, prefetch)
+        if model is None or left <= 0:
+            break
+        sol = solve(model, left)
+        if sol.decisions is None:
+            break
+        dec = tuple(f if f is not None else d for f, d in zip(fixed, sol.decisions))
+        tl = joint.timeline(index.planned(dec), prefetch, index._seg_memo)
+        over = joint.least_bytes(tl, joint.options(tl, mechanisms, costs)) - budget
+        if over <= 0:
+            break
+        target -= over
+    return dec
