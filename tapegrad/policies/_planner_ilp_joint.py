@@ -57,9 +57,13 @@ with their mechanisms, ``π`` at its lower limit.
    use, the latest of its residual uses and the runs of the segments reading it), or
    ``s < t`` and ``w`` is held from ``s`` to ``L_w ≥ F_w > t``: at least the smaller
    of the two. Outside ``(L_u, F_w)`` the pair adds nothing, so ``u`` (counted up to
-   ``L_u``) and ``w`` (from ``F_w``) are never counted twice, and each value is in at
-   most one pair (chosen once per tape), so two pairs never claim the same bytes.
-   Segment-run points (transients) are left out: fewer constraints, a weaker bound.
+   ``L_u``) and ``w`` (from ``F_w``) are never counted twice. Pairs are chosen once
+   per tape, each ``u`` and each ``q`` in at most one, and ``w`` is ``q``'s own output,
+   so two pairs share a value only as one's ``w`` and the other's ``u``: then that
+   value is recomputed, not kept, and the second pair's ``π`` may be 0 — two pairs
+   never claim the same bytes. Segment-run points (the moment a segment's inputs
+   and its outputs and transients are all held) are left out: fewer constraints, a
+   weaker bound.
 
 So the ILP's optimum ≤ the least predicted time of any executor plan within the
 budget, and ``tests/policies/test_planner_ilp_joint.py`` checks the three steps on
