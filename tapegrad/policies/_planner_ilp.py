@@ -65,8 +65,8 @@ def solve(tl: Any, opts: Any, budget: int, time_limit: float = TIME_LIMIT_S) -> 
     import highspy
 
     K = len(tl.keys)
-    if K == 0:
-        return np.zeros(0, np.int64)
+    if K == 0:  # nothing to choose: the plan fits or not
+        return np.zeros(0, np.int64) if tl.points == 0 or tl.fixed.max() <= budget else None
     T = tl.points
     cols = [(k, m) for k in range(K) for m in range(opts.valid.shape[1]) if opts.valid[k, m]]
     h = _highs()

@@ -312,8 +312,9 @@ class Budget:
         """Save/recompute plans at the budget and at relaxed ones (less recompute, more
         bytes left for offload/compress to remove), each completed with per-residual
         mechanisms (`_planner_joint`, or the exact `_planner_ilp` on small tapes); on a
-        chain also the exact joint program (`_planner_chain_joint`: both chosen at once);
-        the least predicted step time that fits wins."""
+        chain also the exact joint program (`_planner_chain_joint`: both chosen at once),
+        on small tapes the plan of the joint ILP (`_planner_ilp_joint`); the least
+        predicted step time that fits wins."""
         import numpy as np
 
         from tapegrad.policies import _planner_joint as joint
@@ -340,6 +341,7 @@ class Budget:
                 if best is not None:
                     cands.append((best[2], best[3]))
                     cands += [(d, "relaxed") for d in _relaxed(sr, best[1], save_peak)]
+                cands += _joint_ilp_candidate(tape, fixed, self, costs)
         # Plan with copies brought back one record ahead (at first use where nothing fits
         # so), then bring them back as early as the cost model asks (`_cost.prefetch_depth`)
         # where the plan still fits: the model charges a copy's full time at any depth, so
@@ -428,7 +430,11 @@ class Budget:
             # The exact mechanisms for the most promising plans (greedy's best two, and
             # plans greedy could not fit while they can).
             order = sorted(scored, key=lambda c: (c[0] is None, c[0] or 0.0))
-            for c in order[:2] + [c for c in order[2:] if c[0] is None][:2]:
+            extra = [c for c in order[2:] if c[0] is None][:2]
+            # and the joint ILP's plan, so its exact completion is always tried
+            mine = [c for c in order[2:] if c[3] == "joint ILP"]
+            extra += [c for c in mine if all(c is not e for e in extra)]
+            for c in order[:2] + extra:
                 _, rec_s, _, _, _, tl, opts, choice = c
                 exact = ilp(tl, opts, self.bytes)
                 if exact is None:
@@ -614,6 +620,19 @@ def _ilp_solver(tape: Tape) -> Any:
     if not _planner_ilp.available() or len(tape.records) > _planner_ilp.MAX_RECORDS:
         return None
     return _planner_ilp.solve
+
+
+def _joint_ilp_candidate(
+    tape: Tape, fixed: list, pol: Budget, costs: Any
+) -> list[tuple[tuple, str]]:
+    """The save/recompute decisions of `_planner_ilp_joint`'s solution (one plan, scored
+    like the others) when highspy is importable and the tape is small enough; else none."""
+    from tapegrad.policies import _planner_ilp_joint
+
+    # planned with copies one record ahead, as `Budget._plan_joint` plans first
+    prefetch = 1 if "offload" in pol.mechanisms else resolve_prefetch(pol.base, tape)
+    dec = _planner_ilp_joint.plan_candidate(tape, fixed, pol.bytes, pol.mechanisms, costs, prefetch)
+    return [] if dec is None else [(dec, "joint ILP")]
 
 
 def _keep_effects(tape: Tape, fixed: Sequence[str | None]) -> list[str | None]:

@@ -1,0 +1,250 @@
+"""The joint planner (`budget(allow=("save", "recompute", "offload", "compress"))`)
+against the joint ILP's lower bound (`_planner_ilp_joint`), in one run:
+
+    python bench/ilp_bench.py [--quick] [--limit SECONDS]
+
+1. DAG families with residuals of many shapes — pre-LN transformer blocks on a
+   residual stream (1, 2, 4, 6 blocks), U-Net-style skips (down path, up path, skips
+   concatenated), random layered DAGs with widths 8..64 — from ~30 to ~300 records, at
+   budgets from 90% of save()'s peak down to the least peak the heuristic reaches. Per
+   budget: the heuristic's predicted time (`Budget` without the joint-ILP candidate),
+   the ILP's lower bound (its proved dual bound when it stops at ``--limit``), the gap
+   heuristic/bound - 1, the ILP's status and solve time, the predicted time of the
+   plan `Budget` decodes from it (`plan_candidate`, exact mechanisms) when it fits,
+   and `Budget` as shipped (heuristic plus that candidate) with its gap.
+2. On tapes small enough for brute force (10 free records, every save/recompute plan
+   with its exact mechanisms): heuristic, `Budget` with the joint-ILP candidate, the
+   true optimum and the bound, so a gap can be put on the heuristic or on the
+   relaxation (``--small``: this section only).
+
+Times are the planner's cost model (fixed figures, so the tables do not depend on
+this machine), not wall-clock step times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import tapegrad as tg  # noqa: E402
+from tapegrad.policies import _planner_ilp  # noqa: E402
+from tapegrad.policies import _planner_ilp_joint as J  # noqa: E402
+from tapegrad.policies import _planner_joint as joint  # noqa: E402
+from tapegrad.policies._cost import CostModel  # noqa: E402
+from tapegrad.policies._planner_search import Scorer  # noqa: E402
+from tapegrad.policies.budget import Budget, BudgetError, estimate  # noqa: E402
+from tests.policies.test_planner_ilp_joint import (  # noqa: E402
+    block,
+    block_args,
+    mlp4,
+    mlp4_args,
+    unet,
+    unet_args,
+    varied_dag,
+)
+
+B = sys.modules["tapegrad.policies.budget"]  # the module (the package exports the function)
+ALL = ("save", "recompute", "offload", "compress")
+MECHS = ("offload", "bf16")  # max_error="bf16"
+COSTS = CostModel(5e10, 5e9, 5e9, 2e9)
+
+
+def families(quick: bool):
+    blocks = [1, 2] if quick else [1, 2, 4, 6]
+    unets = [(2, 1), (4, 2)] if quick else [(2, 1), (4, 2), (5, 4), (6, 8)]
+    dags = [(3, 2), (6, 3)] if quick else [(3, 2), (6, 3), (10, 4), (14, 5)]
+    out = []
+    for nb in blocks:
+        out.append(("transformer", f"{nb} blocks", block, block_args(nb)))
+    for lv, c in unets:
+        out.append(("U-Net", f"{lv} levels x{c}", unet, unet_args(lv, c)))
+    for L, w in dags:
+        f, args = varied_dag(L, L, w)
+        out.append(("random DAG", f"{L}x{w}", f, args))
+    return out
+
+
+def heuristic(tape, b):
+    """`Budget`'s plan without the joint-ILP candidate: (seconds, peak) or None."""
+    saved = B._joint_ilp_candidate
+    B._joint_ilp_candidate = lambda *a: []
+    try:
+        pol = Budget(b, allow=ALL, max_error="bf16", costs=COSTS)
+        pol.plan(tape, [None] * len(tape.records))
+        return pol.last["time_s"], pol.last["peak_bytes"]
+    except BudgetError as e:
+        return None, str(e)
+    finally:
+        B._joint_ilp_candidate = saved
+
+
+def floor_of(tape):
+    _, msg = heuristic(tape, 0)
+    return int(msg.split("tried is ")[1].split(" bytes")[0].replace(",", ""))
+
+
+def plan_time(tape, fixed, dec, b):
+    """Predicted seconds of decisions ``dec`` with exact mechanisms, or None if no
+    assignment fits ``b``."""
+    sc = Scorer(tape, fixed, b)
+    tl = joint.timeline(sc.planned(dec), 1, sc._memo)
+    opts = joint.options(tl, MECHS, COSTS)
+    c = _planner_ilp.solve(tl, opts, b, time_limit=10.0)
+    if c is None:
+        return None
+    peak, secs = joint.evaluate(tl, opts, c)
+    return secs + COSTS.recompute_s(tl.recompute_flops) if peak <= b else None
+
+
+def fmt(s):
+    return "—" if s is None else f"{s * 1e6:.3f}"
+
+
+def quality(quick: bool, limit: float) -> None:
+    print("\n## 1. heuristic vs the joint ILP's lower bound (predicted µs per step)")
+    print(
+        "| family | size | records | budget (% save) | heuristic | ILP bound | gap | "
+        "ILP status | solve s | decoded plan | Budget | Budget gap |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    summary: dict[tuple[str, str, int], list[float]] = {}
+    for fam, size, f, args in families(quick):
+        tape = tg.trace(f, argnums=0)(*args)
+        n = len(tape.records)
+        full = estimate(tape)[0]
+        lo = floor_of(tape)
+        hi = int(full * 0.9)
+        steps = 3 if quick else 5
+        for b in np.unique(np.linspace(hi, lo, steps).astype(int))[::-1]:
+            b = int(b)
+            h, _ = heuristic(tape, b)
+            shipped = Budget(b, allow=ALL, max_error="bf16", costs=COSTS)
+            try:
+                shipped.plan(tape, [None] * n)
+                w = shipped.last["time_s"]
+            except BudgetError:
+                w = None
+            model = J.build(tape, [None] * n, b, MECHS, COSTS, 1)
+            sol = J.solve(model, limit)
+            dec = J.plan_candidate(tape, [None] * n, b, MECHS, COSTS, 1)
+            d = plan_time(tape, [None] * n, dec, b) if dec is not None else None
+            gap = wgap = None
+            if h is not None and sol.bound is not None and sol.bound > 0:
+                gap = h / sol.bound - 1
+                wgap = w / sol.bound - 1 if w is not None else gap
+                summary.setdefault((fam, size, n), []).append((gap, wgap))
+            print(
+                f"| {fam} | {size} | {n} | {b / full:.0%} | {fmt(h)} | {fmt(sol.bound)} | "
+                f"{'—' if gap is None else f'{gap:+.1%}'} | {sol.status} | "
+                f"{sol.solve_s:.2f} | {fmt(d)} | {fmt(w)} | "
+                f"{'—' if wgap is None else f'{wgap:+.1%}'} |",
+                flush=True,
+            )
+    print(
+        "\n| family | size | records | budgets | heuristic: worst gap | mean gap "
+        "| Budget: worst gap | mean gap |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for (fam, size, n), gaps in summary.items():
+        g = np.array(gaps)
+        print(
+            f"| {fam} | {size} | {n} | {len(g)} | {g[:, 0].max():+.1%} | {g[:, 0].mean():+.1%} "
+            f"| {g[:, 1].max():+.1%} | {g[:, 1].mean():+.1%} |"
+        )
+
+
+def brute(tape, fixed, b):
+    free = [i for i, x in enumerate(fixed) if x is None]
+    sc = Scorer(tape, fixed, b)
+    best = None
+    for bits in itertools.product(["save", "recompute"], repeat=len(free)):
+        dec = ["save"] * len(fixed)
+        for i, x in zip(free, bits):
+            dec[i] = x
+        dec = sc.with_fixed(dec)
+        tl = joint.timeline(sc.planned(dec), 1, sc._memo)
+        rs = COSTS.recompute_s(tl.recompute_flops)
+        if best is not None and rs >= best:
+            continue
+        opts = joint.options(tl, MECHS, COSTS)
+        c = _planner_ilp.solve(tl, opts, b)
+        if c is None:
+            continue
+        peak, secs = joint.evaluate(tl, opts, c)
+        if peak <= b and (best is None or rs + secs < best):
+            best = rs + secs
+    return best
+
+
+def small(quick: bool) -> None:
+    print("\n## 2. tiny tapes: heuristic vs brute-force optimum vs the bound (µs)")
+    print(
+        "| tape | records (free) | budget | heuristic | with ILP candidate | optimum | bound "
+        "| heur/opt | opt/bound |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    cases = [("MLP 4x16", mlp4, mlp4_args()), ("U-Net 2 levels", unet, unet_args(2, 1))]
+    if not quick:
+        f, a = varied_dag(0, 3, 2)
+        cases.append(("random DAG 3x2", f, a))
+    for name, f, args in cases:
+        tape = tg.trace(f, argnums=0)(*args)
+        n = len(tape.records)
+        rng = np.random.default_rng(0)
+        free = set(rng.choice(n, size=min(n, 10), replace=False).tolist())
+        fixed = [None if i in free else "save" for i in range(n)]
+        full = estimate(tape)[0]
+        for frac in (0.9, 0.75, 0.6, 0.5, 0.4):
+            b = int(full * frac)
+            pol = Budget(b, allow=ALL, max_error="bf16", costs=COSTS)
+            saved = B._joint_ilp_candidate
+            B._joint_ilp_candidate = lambda *a: []
+            try:
+                pol.plan(tape, fixed)
+                h = pol.last["time_s"]
+            except BudgetError:
+                h = None
+            finally:
+                B._joint_ilp_candidate = saved
+            with_ilp = Budget(b, allow=ALL, max_error="bf16", costs=COSTS)
+            try:
+                with_ilp.plan(tape, fixed)
+                w = with_ilp.last["time_s"]
+            except BudgetError:
+                w = None
+            opt = brute(tape, fixed, b)
+            sol = J.solve(J.build(tape, fixed, b, MECHS, COSTS, 1), 30.0)
+            ho = f"{h / opt:.3f}" if h and opt else "—"
+            ob = f"{opt / sol.bound:.3f}" if opt and sol.bound else "—"
+            print(
+                f"| {name} | {n} ({len(free)}) | {frac:.0%} | {fmt(h)} | {fmt(w)} | {fmt(opt)} | "
+                f"{fmt(sol.bound)} | {ho} | {ob} |",
+                flush=True,
+            )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--limit", type=float, default=10.0, help="ILP time limit, seconds")
+    ap.add_argument("--small", action="store_true", help="section 2 only")
+    a = ap.parse_args()
+    if not _planner_ilp.available():
+        print("highspy not installed (pip install tapegrad[planner]): nothing to measure")
+        return
+    print(f"cost model {COSTS}; mechanisms {MECHS}; prefetch 1; ILP limit {a.limit:g} s")
+    t0 = time.perf_counter()
+    small(a.quick)
+    if not a.small:
+        quality(a.quick, a.limit)
+    print(f"\n({time.perf_counter() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
