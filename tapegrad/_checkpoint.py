@@ -25,8 +25,8 @@ import jax
 import numpy as np
 
 from tapegrad import _jax_compat as compat
-from tapegrad._tape import Record, Segment, Tape, Var
-from tapegrad.policies._base import SAVE, is_exact
+from tapegrad._tape import Record, Saved, Segment, Tape, Var
+from tapegrad.policies._base import SAVE, ResidualInfo, is_exact, keeps_exact
 
 __all__ = [
     "CheckpointPolicy",
@@ -276,8 +276,16 @@ def _decide(tape: Tape, policy: Any, whole: bool, rebuild: bool) -> tuple[list[s
             fixed.append("save")
         open_.append(rec.region is None and c in (None, P.PREFER_SAVE))
     rebuilt: set[int] = set()
-    if rebuild and whole and is_exact(policy):
-        rebuilt = rebuilt_records(tape, [f if f is not None else "save" for f in fixed], open_)
+    exact = is_exact(policy)
+    # A planner weighs its own rebuilds against its mechanisms (`budget`); a lossy policy
+    # alone rebuilds only values whose every operand it keeps unchanged.
+    if rebuild and whole and (exact or plan is None):
+        rebuilt = rebuilt_records(
+            tape,
+            [f if f is not None else "save" for f in fixed],
+            open_,
+            None if exact else functools.partial(keeps_exact, policy),
+        )
         for i in rebuilt:
             fixed[i] = "recompute"
     if plan is not None:
@@ -305,11 +313,27 @@ _REBUILDABLE = frozenset(
         "transpose",
         "slice",
         "concatenate",
+        # comparisons and logic: integer index arithmetic (labels made into gather
+        # indices) and masks are rebuilt like the rest
+        "eq",
+        "ne",
+        "lt",
+        "le",
+        "gt",
+        "ge",
+        "and",
+        "or",
+        "not",
     }
 )
 
 
-def rebuilt_records(tape: Tape, decisions: Sequence[str], open_: Sequence[bool]) -> set[int]:
+def rebuilt_records(
+    tape: Tape,
+    decisions: Sequence[str],
+    open_: Sequence[bool],
+    kept_exact: Callable[[ResidualInfo], bool] | None = None,
+) -> set[int]:
     """Records whose outputs backward rebuilds instead of keeping, because it holds
     everything needed to rebuild them anyway.
 
@@ -324,7 +348,16 @@ def rebuilt_records(tape: Tape, decisions: Sequence[str], open_: Sequence[bool])
 
     Only records whose decision is open (`save` by default or PREFER_SAVE, outside a
     checkpoint region) and which have no names (a `tg.name`d value is the user's
-    to decide) are rebuilt; a tape's outputs are left alone."""
+    to decide) are rebuilt; a tape's outputs are left alone.
+
+    ``kept_exact`` (None: every kept value is exact, as under `save()`) says whether a
+    lossy policy stores an operand unchanged, asked with the info the operand is packed
+    with (the rebuilt record reading it: backward's recompute takes it from there). A
+    value rebuilt only from unchanged operands is the forward value, bit for bit; one
+    rebuilt from a rounded operand would carry that rounding into a value the policy
+    might have kept exact (a divisor, under low-bit compression), so it is kept instead.
+    Under `compress(bits=2)` a batch reshaped or broadcast before its first layer, or
+    labels turned into gather indices, then cost nothing instead of a rounded copy."""
     producer: dict[int, Record] = {}
     for rec in tape.records:
         for o in rec.outputs:
@@ -353,13 +386,18 @@ def rebuilt_records(tape: Tape, decisions: Sequence[str], open_: Sequence[bool])
         ):
             continue
         ok = True
-        for u in rec.inputs:
-            if not isinstance(u, Var) or u.id not in producer:
-                continue  # a literal, an input or a constant: held by the caller
-            p = producer[u.id]
-            if p.index in rebuilt:
+        for i, u in enumerate(rec.inputs):
+            if not isinstance(u, Var):
+                continue  # a literal
+            p = producer.get(u.id)
+            if p is not None and p.index in rebuilt:
                 continue
-            if u.id not in saved or decisions[p.index] != "save":
+            if p is not None and (u.id not in saved or decisions[p.index] != "save"):
+                ok = False  # not kept: rebuilding it would be recomputation
+                break
+            if kept_exact is not None and not kept_exact(
+                ResidualInfo(rec, Saved("in", i, u.shape, u.dtype), u.shape, u.dtype, p is None)
+            ):
                 ok = False
                 break
         if ok:

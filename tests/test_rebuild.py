@@ -128,22 +128,51 @@ def test_a_value_whose_operand_is_not_kept_is_kept():
     assert by_prim["tanh"].decision == "save"
 
 
-def test_only_exact_policies_rebuild():
+def test_lossy_policies_rebuild_only_from_values_they_keep_unchanged():
     # Rebuilt from rounded operands, a value compress keeps exact (a divisor, under low
-    # bits) would come back rounded: lossy policies keep every value instead.
+    # bits) would come back rounded: a lossy policy rebuilds only values whose every
+    # operand it keeps bit for bit -- here g's broadcast (g is an input compress leaves
+    # alone), not the normalised value or the softmax quotient (rounded operands).
     p, x = params(), rand((8, 16), seed=0)
 
-    def n_rebuilt(policy):
+    def rebuilt(policy):
         tape = tg.trace(block, argnums=(0, 1), policy=policy)(p, x)
-        return sum(r.decision == "recompute" for r in tape.records)
+        return [r for r in tape.records if r.decision == "recompute"]
 
-    assert n_rebuilt(None) == n_rebuilt(tg.policies.offload()) == 6
-    assert n_rebuilt(tg.selective(lambda r: P.PREFER_SAVE)) == 6
-    assert n_rebuilt(tg.policies.budget(bytes=1 << 30)) == 6
-    for lossy in (
-        tg.policies.compress(bits=2),
-        tg.policies.compress(jnp.bfloat16),
+    assert len(rebuilt(None)) == len(rebuilt(tg.policies.offload())) == 6
+    assert len(rebuilt(tg.selective(lambda r: P.PREFER_SAVE))) == 6
+    assert len(rebuilt(tg.policies.budget(bytes=1 << 30))) == 6
+    g = tg.trace(block, argnums=(0, 1))(p, x).inputs[1]  # params flatten as b, g, v, w
+    for lossy in (tg.policies.compress(bits=2), tg.policies.compress(jnp.bfloat16)):
+        (rec,) = rebuilt(lossy)
+        assert rec.primitive == "broadcast_in_dim" and rec.inputs[0].id == g.id, lossy
+    for lossy in (  # these are handed the inputs too: nothing is known unchanged
+        tg.policies.compress(bits=2, inputs=True),
         tg.policies.route(lambda i: tg.policies.save()),
         tg.policies.hooks(lambda v: v, lambda v: v),
     ):
-        assert n_rebuilt(lossy) == 0, lossy
+        assert rebuilt(lossy) == [], lossy
+
+
+def test_integer_index_arithmetic_is_rebuilt():
+    # take_along_axis turns labels into gather indices with lt / add / select_n /
+    # reshape: all exact, all from an input, so the indices are not kept, under any
+    # policy that leaves integers alone.
+    def xent(w, x, y):
+        logits = x @ w
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
+
+    w, x = rand((16, 10), seed=1), rand((32, 16), seed=2)
+    y = jnp.arange(32, dtype=jnp.int32) % 10
+    want = jax.grad(xent)(w, x, y)
+    for pol in (None, tg.policies.compress(bits=2)):
+        tape = tg.trace(xent, policy=pol)(w, x, y)
+        gather = next(r for r in tape.records if r.primitive == "gather")
+        kept, _ = tape.residual_keys()
+        assert gather.inputs[1].id not in kept
+        assert {r.primitive for r in tape.records if r.decision == "recompute"} >= {
+            "lt",
+            "select_n",
+            "reshape",
+        }
+    assert_trees_close(tg.grad(xent)(w, x, y), want)

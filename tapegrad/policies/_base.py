@@ -32,6 +32,7 @@ __all__ = [
     "saved_tensors_hooks",
     "disable_saved_tensors_hooks",
     "packs_inputs",
+    "keeps_exact",
 ]
 
 
@@ -154,6 +155,29 @@ def is_exact(policy: Any) -> bool:
             policy = policy.base
             continue
         return False
+
+
+def keeps_exact(policy: Any, info: ResidualInfo) -> bool:
+    """Whether ``policy`` hands backward the residual ``info`` describes unchanged, bit for
+    bit: always under an exact policy (`is_exact`); an input the policy is not given
+    (`packs_inputs`); else what the policy's own ``keeps_exact(info)`` says (`compress`:
+    integer and boolean values, values already in a dtype no larger than its target). A
+    policy without that method is taken to change everything it packs.
+
+    Backward rebuilds a cheap value under a lossy policy only from operands this holds
+    for (`_checkpoint.rebuilt_records`): the rebuilt value is then exact too."""
+    if is_exact(policy):
+        return True
+    if info.is_input and not packs_inputs(policy):
+        return True
+    for _ in range(8):  # wrappers that pack nothing themselves answer with their base
+        own = getattr(policy, "keeps_exact", None)
+        if own is not None:
+            return bool(own(info))
+        if not hasattr(policy, "base") or getattr(policy, "packs", False):
+            return False
+        policy = policy.base
+    return False
 
 
 def packs_inputs(policy: Any) -> bool:
