@@ -141,10 +141,11 @@ def is_plain(policy: Any) -> bool:
 def is_exact(policy: Any) -> bool:
     """True when ``unpack`` gives back exactly the values ``pack`` was given: `save()`,
     `offload()`, and wrappers of them. A policy says so with ``exact = True``; one that
-    does not (`compress`, hooks, `route`) is taken to change values. Backward rebuilds
-    values from kept ones only under an exact policy (`_checkpoint.rebuilt_records`):
-    rebuilt from rounded operands, a value the policy itself would keep exact (a
-    divisor, under low-bit compression) would come back rounded."""
+    does not (`compress`, hooks, `route`) is taken to change values. Under such a
+    policy backward rebuilds a value only from operands it keeps unchanged
+    (`keeps_exact`, `_checkpoint.rebuilt_records`): rebuilt from rounded operands, a
+    value the policy itself would keep exact (a divisor, under low-bit compression)
+    would come back rounded."""
     if policy is None:
         return True
     while True:
