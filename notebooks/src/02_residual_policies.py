@@ -137,9 +137,7 @@ assert rel_error(grads["int8"], g_ref) < 1e-1
 # (here a layer norm scale's broadcast, from the input): it halves (quarters) what it keeps.
 assert off.host_bytes == save.beyond_inputs_bytes and off.device_bytes == off.input_bytes
 kept = bf16.tape.saved_bytes - bf16.input_bytes  # every value but that broadcast
-assert [r.primitive for r in bf16.tape.records if r.decision == "recompute"] == [
-    "broadcast_in_dim"
-]
+assert [r.primitive for r in bf16.tape.records if r.decision == "recompute"] == ["broadcast_in_dim"]
 assert save.beyond_inputs_bytes < kept
 assert bf16.beyond_inputs_bytes == kept // 2
 assert kept / 4 < int8.beyond_inputs_bytes < 0.3 * kept
