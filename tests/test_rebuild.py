@@ -176,3 +176,29 @@ def test_integer_index_arithmetic_is_rebuilt():
             "reshape",
         }
     assert_trees_close(tg.grad(xent)(w, x, y), want)
+
+
+def test_a_policy_says_what_it_keeps_unchanged_and_wrappers_ask_their_base():
+    p, x = params(), rand((8, 16), seed=0)
+
+    def n_rebuilt(policy):
+        tape = tg.trace(block, argnums=(0, 1), policy=policy)(p, x)
+        return sum(r.decision == "recompute" for r in tape.records)
+
+    class Identity:  # changes nothing, and says so per residual (not with exact = True)
+        def pack(self, v, info):
+            return v
+
+        def unpack(self, v, info):
+            return v
+
+        def keeps_exact(self, info):
+            return True
+
+    assert n_rebuilt(Identity()) == n_rebuilt(None) == 6
+    wrapped = tg.selective(lambda r: P.PREFER_SAVE, base=tg.policies.compress(bits=2))
+    assert n_rebuilt(wrapped) == n_rebuilt(tg.policies.compress(bits=2)) == 1
+    assert_trees_close(
+        tg.grad(block, argnums=(0, 1), policy=Identity())(p, x),
+        jax.grad(block, argnums=(0, 1))(p, x),
+    )
