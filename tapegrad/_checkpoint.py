@@ -313,8 +313,9 @@ _REBUILDABLE = frozenset(
         "transpose",
         "slice",
         "concatenate",
-        # comparisons and logic: integer index arithmetic (labels made into gather
-        # indices) and masks are rebuilt like the rest
+        # comparisons, logic and iota: integer index arithmetic (labels made into gather
+        # indices), masks and one-hot labels (``y[:, None] == iota``) are rebuilt too
+        "iota",
         "eq",
         "ne",
         "lt",

@@ -202,3 +202,25 @@ def test_a_policy_says_what_it_keeps_unchanged_and_wrappers_ask_their_base():
         tg.grad(block, argnums=(0, 1), policy=Identity())(p, x),
         jax.grad(block, argnums=(0, 1))(p, x),
     )
+
+
+def test_one_hot_labels_are_rebuilt_not_kept_or_rounded():
+    # jax.nn.one_hot(y) is convert(eq(broadcast(y), iota)): exact ops from an integer
+    # input, so the float one-hot the product keeps is rebuilt in backward -- under
+    # save() nothing is kept for it, under compress(bits=2) no rounded copy either.
+    def f(w, x, y):
+        return jnp.sum(jax.nn.one_hot(y, 10) * jnp.tanh(x @ w))
+
+    w, x = rand((16, 10), seed=1), rand((32, 16), seed=2)
+    y = jnp.arange(32, dtype=jnp.int32) % 10
+    for pol in (None, tg.policies.compress(bits=2)):
+        tape = tg.trace(f, policy=pol)(w, x, y)
+        mul = next(r for r in tape.records if r.primitive == "mul")
+        one_hot = mul.inputs[0]
+        assert one_hot.dtype == jnp.float32 and one_hot.shape == (32, 10)
+        kept, recomputed = tape.residual_keys()
+        assert one_hot.id not in kept and one_hot.id in recomputed
+        assert "iota" in [r.primitive for r in tape.records if r.decision == "recompute"]
+    # save(): tanh's output (32 x 10 f32) is all that is kept beyond the inputs
+    assert tg.memory_report(f)(w, x, y).beyond_inputs_bytes == 32 * 10 * 4
+    assert_trees_close(tg.grad(f)(w, x, y), jax.grad(f)(w, x, y))
