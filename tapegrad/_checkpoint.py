@@ -26,8 +26,8 @@ import jax
 import numpy as np
 
 from tapegrad import _jax_compat as compat
-from tapegrad._tape import Record, Segment, Tape, Var
-from tapegrad.policies._base import SAVE, is_exact
+from tapegrad._tape import Record, Saved, Segment, Tape, Var
+from tapegrad.policies._base import SAVE, ResidualInfo, is_exact, keeps_exact
 from tapegrad.rules._registry import keeping_operands
 
 __all__ = [
@@ -286,14 +286,21 @@ def _decide(
             fixed.append("save")
         open_.append(rec.region is None and c in (None, P.PREFER_SAVE))
     rebuilt: set[int] = set()
-    if rebuild and whole and is_exact(policy):
+    exact = is_exact(policy)
+    # A planner weighs its own rebuilds against its mechanisms (`budget`); a lossy policy
+    # alone rebuilds only values whose every operand it keeps unchanged.
+    if rebuild and whole and (exact or plan is None):
         # A planner counts a recomputed segment record by record, a draw's transient (the
         # bits, the uniform floats: several times the packed mask it frees) included;
         # made binding here, that would raise the least peak it can reach. It keeps the
         # mask instead (eagerly the rebuild runs as one call, `Segment.compiled`, which
         # its cost model does not know).
         rebuilt, plain = rebuilt_records(
-            tape, [f if f is not None else "save" for f in fixed], open_, draws=plan is None
+            tape,
+            [f if f is not None else "save" for f in fixed],
+            open_,
+            draws=plan is None,
+            kept_exact=None if exact else functools.partial(keeps_exact, policy),
         )
         for i in rebuilt:
             fixed[i] = "recompute"
@@ -340,6 +347,9 @@ _REBUILDABLE = frozenset(
         "transpose",
         "slice",
         "concatenate",
+        # iota: one-hot labels (``y[:, None] == iota``) and index arithmetic (labels
+        # made into gather indices) are rebuilt too
+        "iota",
     }
 )
 # Counter-based random bits: a pure function of the key (jax.random's contract, and what
@@ -354,7 +364,11 @@ _KEYS = frozenset({"random_seed", "random_wrap", "random_unwrap", "random_fold_i
 
 
 def rebuilt_records(
-    tape: Tape, decisions: Sequence[str], open_: Sequence[bool], draws: bool = True
+    tape: Tape,
+    decisions: Sequence[str],
+    open_: Sequence[bool],
+    draws: bool = True,
+    kept_exact: Callable[[ResidualInfo], bool] | None = None,
 ) -> tuple[set[int], dict[int, Record]]:
     """Records whose outputs backward rebuilds instead of keeping, because it holds
     everything needed to rebuild them anyway; and records that keep their operands
@@ -377,11 +391,23 @@ def rebuilt_records(
     Only records whose decision is open (`save` by default or PREFER_SAVE, outside a
     checkpoint region) and which have no names (a `tg.name`d value is the user's
     to decide) are rebuilt; a tape's outputs are left alone; random draws only with
-    ``draws``. Returns the indices of the rebuilt records and the records that switch to
-    keeping operands, by index."""
+    ``draws``.
+
+    ``kept_exact`` (None: every kept value is exact, as under `save()`) says whether a
+    lossy policy stores an operand unchanged, asked with the info the operand is packed
+    with (the rebuilt record reading it: backward's recompute takes it from there). A
+    value rebuilt only from unchanged operands is the forward value, bit for bit; one
+    rebuilt from a rounded operand would carry that rounding into a value the policy
+    might have kept exact (a divisor, under low-bit compression), so it is kept instead.
+    Under `compress(bits=2)` a batch reshaped or broadcast before its first layer, or
+    labels turned into gather indices, then cost nothing instead of a rounded copy. The
+    same holds for a record switching from a mask to its operand: only to an unchanged one.
+
+    Returns the indices of the rebuilt records and the records that switch to keeping
+    operands, by index."""
     banned: set[int] = set() if draws else {r.index for r in tape.records if r.primitive in _RANDOM}
     while True:
-        rebuilt, plain, saved = _rebuilt_once(tape, decisions, open_, banned)
+        rebuilt, plain, saved = _rebuilt_once(tape, decisions, open_, banned, kept_exact)
         readers: dict[int, list[Record]] = {}
         for r in tape.records:
             if r.index in rebuilt:
@@ -400,7 +426,11 @@ def rebuilt_records(
 
 
 def _rebuilt_once(
-    tape: Tape, decisions: Sequence[str], open_: Sequence[bool], banned: set[int]
+    tape: Tape,
+    decisions: Sequence[str],
+    open_: Sequence[bool],
+    banned: set[int],
+    kept_exact: Callable[[ResidualInfo], bool] | None = None,
 ) -> tuple[set[int], dict[int, Record], set[int]]:
     producer: dict[int, Record] = {}
     for rec in tape.records:
@@ -417,20 +447,28 @@ def _rebuilt_once(
     outputs = {o.id for o in tape.outputs if isinstance(o, Var)}
     rebuilt: set[int] = set()
 
-    def kept(u: object) -> bool:
-        if not isinstance(u, Var) or u.id not in producer:
-            return True  # a literal, an input or a constant: held by the caller
-        p = producer[u.id]
-        if p.index in rebuilt:
+    def kept(u: object, reader: Record, i: int) -> bool:
+        """Whether backward holds operand ``i`` of ``reader`` as forward made it."""
+        if not isinstance(u, Var):
+            return True  # a literal
+        p = producer.get(u.id)  # None: an input or a constant, held by the caller
+        if p is not None and p.index in rebuilt:
             return True
-        return decisions[p.index] == "save" and (u.id in kept_by_rules or p.primitive in _KEYS)
+        if p is not None and not (
+            decisions[p.index] == "save" and (u.id in kept_by_rules or p.primitive in _KEYS)
+        ):
+            return False
+        if kept_exact is None:
+            return True
+        info = ResidualInfo(reader, Saved("in", i, u.shape, u.dtype), u.shape, u.dtype, p is None)
+        return kept_exact(info)
 
     plain: dict[int, Record] = {}
     for rec in tape.records:
         if rec.rule == "rule" and decisions[rec.index] == "save":
             # Its mask's operand is rebuilt (or kept) anyway: keep that instead, for free.
             alt = keeping_operands(rec)
-            if alt is not None and all(kept(rec.inputs[s.index]) for s in alt.saves):
+            if alt is not None and all(kept(rec.inputs[s.index], alt, s.index) for s in alt.saves):
                 plain[rec.index] = rec = alt
                 saved.update(rec.inputs[s.index].id for s in rec.saves)
         if not (
@@ -447,7 +485,7 @@ def _rebuilt_once(
             and not any(o.id in outputs for o in rec.outputs)
         ):
             continue
-        if all(kept(u) for u in rec.inputs):
+        if all(kept(u, rec, i) for i, u in enumerate(rec.inputs)):
             rebuilt.add(rec.index)
     # Only what backward needs: a rebuilt output some record saves, and what it is built from.
     needed: set[int] = set()

@@ -128,22 +128,99 @@ def test_a_value_whose_operand_is_not_kept_is_kept():
     assert by_prim["tanh"].decision == "save"
 
 
-def test_only_exact_policies_rebuild():
+def test_lossy_policies_rebuild_only_from_values_they_keep_unchanged():
     # Rebuilt from rounded operands, a value compress keeps exact (a divisor, under low
-    # bits) would come back rounded: lossy policies keep every value instead.
+    # bits) would come back rounded: a lossy policy rebuilds only values whose every
+    # operand it keeps bit for bit -- here g's broadcast (g is an input compress leaves
+    # alone), not the normalised value or the softmax quotient (rounded operands).
+    p, x = params(), rand((8, 16), seed=0)
+
+    def rebuilt(policy):
+        tape = tg.trace(block, argnums=(0, 1), policy=policy)(p, x)
+        return [r for r in tape.records if r.decision == "recompute"]
+
+    assert len(rebuilt(None)) == len(rebuilt(tg.policies.offload())) == 6
+    assert len(rebuilt(tg.selective(lambda r: P.PREFER_SAVE))) == 6
+    assert len(rebuilt(tg.policies.budget(bytes=1 << 30))) == 6
+    g = tg.trace(block, argnums=(0, 1))(p, x).inputs[1]  # params flatten as b, g, v, w
+    for lossy in (tg.policies.compress(bits=2), tg.policies.compress(jnp.bfloat16)):
+        (rec,) = rebuilt(lossy)
+        assert rec.primitive == "broadcast_in_dim" and rec.inputs[0].id == g.id, lossy
+    for lossy in (  # these are handed the inputs too: nothing is known unchanged
+        tg.policies.compress(bits=2, inputs=True),
+        tg.policies.route(lambda i: tg.policies.save()),
+        tg.policies.hooks(lambda v: v, lambda v: v),
+    ):
+        assert rebuilt(lossy) == [], lossy
+
+
+def test_integer_index_arithmetic_is_rebuilt():
+    # take_along_axis turns labels into gather indices with lt / add / select_n /
+    # reshape: all exact, all from an input, so the indices are not kept, under any
+    # policy that leaves integers alone.
+    def xent(w, x, y):
+        logits = x @ w
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
+
+    w, x = rand((16, 10), seed=1), rand((32, 16), seed=2)
+    y = jnp.arange(32, dtype=jnp.int32) % 10
+    want = jax.grad(xent)(w, x, y)
+    for pol in (None, tg.policies.compress(bits=2)):
+        tape = tg.trace(xent, policy=pol)(w, x, y)
+        gather = next(r for r in tape.records if r.primitive == "gather")
+        kept, _ = tape.residual_keys()
+        assert gather.inputs[1].id not in kept
+        assert {r.primitive for r in tape.records if r.decision == "recompute"} >= {
+            "lt",
+            "select_n",
+            "reshape",
+        }
+    assert_trees_close(tg.grad(xent)(w, x, y), want)
+
+
+def test_a_policy_says_what_it_keeps_unchanged_and_wrappers_ask_their_base():
     p, x = params(), rand((8, 16), seed=0)
 
     def n_rebuilt(policy):
         tape = tg.trace(block, argnums=(0, 1), policy=policy)(p, x)
         return sum(r.decision == "recompute" for r in tape.records)
 
-    assert n_rebuilt(None) == n_rebuilt(tg.policies.offload()) == 6
-    assert n_rebuilt(tg.selective(lambda r: P.PREFER_SAVE)) == 6
-    assert n_rebuilt(tg.policies.budget(bytes=1 << 30)) == 6
-    for lossy in (
-        tg.policies.compress(bits=2),
-        tg.policies.compress(jnp.bfloat16),
-        tg.policies.route(lambda i: tg.policies.save()),
-        tg.policies.hooks(lambda v: v, lambda v: v),
-    ):
-        assert n_rebuilt(lossy) == 0, lossy
+    class Identity:  # changes nothing, and says so per residual (not with exact = True)
+        def pack(self, v, info):
+            return v
+
+        def unpack(self, v, info):
+            return v
+
+        def keeps_exact(self, info):
+            return True
+
+    assert n_rebuilt(Identity()) == n_rebuilt(None) == 6
+    wrapped = tg.selective(lambda r: P.PREFER_SAVE, base=tg.policies.compress(bits=2))
+    assert n_rebuilt(wrapped) == n_rebuilt(tg.policies.compress(bits=2)) == 1
+    assert_trees_close(
+        tg.grad(block, argnums=(0, 1), policy=Identity())(p, x),
+        jax.grad(block, argnums=(0, 1))(p, x),
+    )
+
+
+def test_one_hot_labels_are_rebuilt_not_kept_or_rounded():
+    # jax.nn.one_hot(y) is convert(eq(broadcast(y), iota)): exact ops from an integer
+    # input, so the float one-hot the product keeps is rebuilt in backward -- under
+    # save() nothing is kept for it, under compress(bits=2) no rounded copy either.
+    def f(w, x, y):
+        return jnp.sum(jax.nn.one_hot(y, 10) * jnp.tanh(x @ w))
+
+    w, x = rand((16, 10), seed=1), rand((32, 16), seed=2)
+    y = jnp.arange(32, dtype=jnp.int32) % 10
+    for pol in (None, tg.policies.compress(bits=2)):
+        tape = tg.trace(f, policy=pol)(w, x, y)
+        mul = next(r for r in tape.records if r.primitive == "mul")
+        one_hot = mul.inputs[0]
+        assert one_hot.dtype == jnp.float32 and one_hot.shape == (32, 10)
+        kept, recomputed = tape.residual_keys()
+        assert one_hot.id not in kept and one_hot.id in recomputed
+        assert "iota" in [r.primitive for r in tape.records if r.decision == "recompute"]
+    # save(): tanh's output (32 x 10 f32) is all that is kept beyond the inputs
+    assert tg.memory_report(f)(w, x, y).beyond_inputs_bytes == 32 * 10 * 4
+    assert_trees_close(tg.grad(f)(w, x, y), jax.grad(f)(w, x, y))

@@ -133,9 +133,11 @@ assert rel_error(grads["int8"], g_ref) < 1e-1
 # halves them; int8 quarters them (plus its scales). save and offload also rebuild a few
 # cheap values in backward (the layer norms' scaled outputs) from values they keep; a
 # compressing policy keeps those too, since rebuilt from rounded operands they would come
-# back rounded (docs/concepts.md): it halves (quarters) what it keeps.
+# back rounded (docs/concepts.md), and rebuilds only what it builds from unchanged values
+# (here a layer norm scale's broadcast, from the input): it halves (quarters) what it keeps.
 assert off.host_bytes == save.beyond_inputs_bytes and off.device_bytes == off.input_bytes
-kept = bf16.tape.saved_bytes - bf16.input_bytes  # every value, nothing rebuilt
+kept = bf16.tape.saved_bytes - bf16.input_bytes  # every value but that broadcast
+assert [r.primitive for r in bf16.tape.records if r.decision == "recompute"] == ["broadcast_in_dim"]
 assert save.beyond_inputs_bytes < kept
 assert bf16.beyond_inputs_bytes == kept // 2
 assert kept / 4 < int8.beyond_inputs_bytes < 0.3 * kept
@@ -196,7 +198,8 @@ chex.assert_trees_all_close(
 # given the function's own inputs too (a policy without it never sees them); with
 # `exact = True` it says it gives back every value unchanged, so backward may rebuild cheap
 # values from the ones it keeps, as under `save()` (a policy that does not say so is
-# assumed to change values, and every value is kept).
+# assumed to change values, and only values built from inputs it is not given are
+# rebuilt).
 
 
 # %%

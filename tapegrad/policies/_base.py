@@ -32,6 +32,7 @@ __all__ = [
     "saved_tensors_hooks",
     "disable_saved_tensors_hooks",
     "packs_inputs",
+    "keeps_exact",
 ]
 
 
@@ -140,10 +141,11 @@ def is_plain(policy: Any) -> bool:
 def is_exact(policy: Any) -> bool:
     """True when ``unpack`` gives back exactly the values ``pack`` was given: `save()`,
     `offload()`, and wrappers of them. A policy says so with ``exact = True``; one that
-    does not (`compress`, hooks, `route`) is taken to change values. Backward rebuilds
-    values from kept ones only under an exact policy (`_checkpoint.rebuilt_records`):
-    rebuilt from rounded operands, a value the policy itself would keep exact (a
-    divisor, under low-bit compression) would come back rounded."""
+    does not (`compress`, hooks, `route`) is taken to change values. Under such a
+    policy backward rebuilds a value only from operands it keeps unchanged
+    (`keeps_exact`, `_checkpoint.rebuilt_records`): rebuilt from rounded operands, a
+    value the policy itself would keep exact (a divisor, under low-bit compression)
+    would come back rounded."""
     if policy is None:
         return True
     while True:
@@ -154,6 +156,29 @@ def is_exact(policy: Any) -> bool:
             policy = policy.base
             continue
         return False
+
+
+def keeps_exact(policy: Any, info: ResidualInfo) -> bool:
+    """Whether ``policy`` hands backward the residual ``info`` describes unchanged, bit for
+    bit: always under an exact policy (`is_exact`); an input the policy is not given
+    (`packs_inputs`); else what the policy's own ``keeps_exact(info)`` says (`compress`:
+    integer and boolean values, values already in a dtype no larger than its target). A
+    policy without that method is taken to change everything it packs.
+
+    Backward rebuilds a cheap value under a lossy policy only from operands this holds
+    for (`_checkpoint.rebuilt_records`): the rebuilt value is then exact too."""
+    if is_exact(policy):
+        return True
+    if info.is_input and not packs_inputs(policy):
+        return True
+    for _ in range(8):  # wrappers that pack nothing themselves answer with their base
+        own = getattr(policy, "keeps_exact", None)
+        if own is not None:
+            return bool(own(info))
+        if not hasattr(policy, "base") or getattr(policy, "packs", False):
+            return False
+        policy = policy.base
+    return False
 
 
 def packs_inputs(policy: Any) -> bool:

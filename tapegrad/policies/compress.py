@@ -298,6 +298,13 @@ class Compress:
         target = 1 if self.int8 else self.dtype.itemsize
         return target < dt.itemsize
 
+    def keeps_exact(self, info) -> bool:
+        """Whether every residual like ``info`` reaches backward unchanged, whichever
+        record keeps it: integers and booleans, inputs (unless ``inputs=True``), values
+        whose dtype is no larger than the target. (Divisors kept exact under ``bits=``
+        are not counted: that depends on the record reading them.)"""
+        return not self._applies(info)
+
     def fit(
         self,
         fun: Any,

@@ -360,3 +360,31 @@ def test_residuals_backward_divides_by_are_kept_exact_so_the_gradient_is_unbiase
     mean = rel_err([grads.mean(0)], [ref])
     assert single > 0.05
     assert mean <= 1.5 * single / np.sqrt(256), (mean, single)
+
+
+def test_a_value_rebuilt_from_exact_operands_is_exact_and_costs_nothing():
+    # reshape(x) feeds the matmul; x is an input, which compress leaves alone, so
+    # backward rebuilds reshape(x) exactly instead of keeping a 2-bit copy of it. The
+    # weight's gradient, reshape(x)^T @ c, reads nothing else (c is an input too): it is
+    # jax.grad's, not a noisy estimate.
+    def f(w, x, c):
+        return jnp.sum((x.reshape(x.shape[0], -1) @ w) * c)
+
+    w = jax.random.normal(jax.random.key(0), (128, 128)) / 8
+    x = jax.random.normal(jax.random.key(1), (64, 8, 16))
+    c = jax.random.normal(jax.random.key(2), (64, 128))
+    pol = P.compress(bits=2, key=3)
+    tape = tg.trace(f, argnums=(0, 1, 2), policy=pol)(w, x, c)
+    assert [r.primitive for r in tape.records if r.decision == "recompute"] == ["reshape"]
+    np.testing.assert_allclose(
+        tg.grad(f, policy=pol)(w, x, c), jax.grad(f)(w, x, c), rtol=1e-6, atol=1e-6
+    )
+    np.testing.assert_allclose(
+        jax.jit(tg.grad(f, policy=pol))(w, x, c), jax.grad(f)(w, x, c), rtol=1e-6, atol=1e-6
+    )
+    # What is held: the product's rounded left operand (64 x 128 values: 64 groups of 32
+    # bytes of codes and a bfloat16 min and scale), nothing for reshape(x).
+    held = held_beyond_inputs(f, (w, x, c), pol)
+    assert held == 64 * (32 + 4), held
+    rep = tg.memory_report(f, argnums=(0, 1, 2), policy=pol)(w, x, c)
+    assert rep.beyond_inputs_bytes == held
