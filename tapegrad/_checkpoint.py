@@ -26,9 +26,9 @@ import jax
 import numpy as np
 
 from tapegrad import _jax_compat as compat
-from tapegrad._tape import Record, Saved, Segment, Tape, Var
-from tapegrad.policies._base import SAVE, ResidualInfo, is_exact, keeps_exact
-from tapegrad.rules._registry import keeping_operands
+from tapegrad._rebuild import RANDOM, rebuilt_records
+from tapegrad._tape import Record, Segment, Tape, Var
+from tapegrad.policies._base import SAVE, is_exact, keeps_exact
 
 __all__ = [
     "CheckpointPolicy",
@@ -312,211 +312,6 @@ def _decide(
     return [f if f is not None else "save" for f in fixed], rebuilt, tape
 
 
-# Exact, cheap ops (elementwise arithmetic, casts, bit ops, comparisons, layout):
-# rebuilding their output in backward costs a few memory-bound ops and gives the very
-# same bits.
-_REBUILDABLE = frozenset(
-    {
-        "add",
-        "sub",
-        "mul",
-        "div",
-        "neg",
-        "max",
-        "min",
-        "select_n",
-        "convert_element_type",
-        "bitcast_convert_type",
-        "shift_left",
-        "shift_right_logical",
-        "shift_right_arithmetic",
-        "and",
-        "or",
-        "xor",
-        "not",
-        "eq",
-        "ne",
-        "lt",
-        "le",
-        "gt",
-        "ge",
-        "broadcast_in_dim",
-        "reshape",
-        "squeeze",
-        "expand_dims",
-        "transpose",
-        "slice",
-        "concatenate",
-        # iota: one-hot labels (``y[:, None] == iota``) and index arithmetic (labels
-        # made into gather indices) are rebuilt too
-        "iota",
-    }
-)
-# Counter-based random bits: a pure function of the key (jax.random's contract, and what
-# jax.checkpoint relies on when it recomputes dropout). Not XLA's stateful rng_uniform,
-# which `_trace._NO_CSE` never merges either. Tens of integer ops per element, not one:
-# rebuilt only where what they free has as many elements (`_worth_rebuilding`).
-_RANDOM = frozenset({"random_bits", "threefry2x32"})
-# Keys (and their raw data) are a few bytes each: kept, never rebuilt, however they were
-# made. A key split in two for two dropouts then starts two segments, each rebuilding its
-# own mask at its own backward step, rather than one rebuilding both at the first.
-_KEYS = frozenset({"random_seed", "random_wrap", "random_unwrap", "random_fold_in", "random_split"})
-
-
-def rebuilt_records(
-    tape: Tape,
-    decisions: Sequence[str],
-    open_: Sequence[bool],
-    draws: bool = True,
-    kept_exact: Callable[[ResidualInfo], bool] | None = None,
-) -> tuple[set[int], dict[int, Record]]:
-    """Records whose outputs backward rebuilds instead of keeping, because it holds
-    everything needed to rebuild them anyway; and records that keep their operands
-    instead of masks derived from them, because those operands are rebuilt.
-
-    A cheap op (`_REBUILDABLE`) whose operands are all kept anyway -- the function's
-    inputs and constants, values some record saves for its own backward, or outputs of
-    records rebuilt the same way -- is recomputed in backward at no memory cost: a layer
-    norm's ``(x - mu) * rsqrt(var + eps) * g + b`` keeps ``x - mu`` and the rsqrt for its
-    own backward, so the normalised value and the output need not be kept as well; a
-    softmax's quotient ``e / s`` is rebuilt from ``e`` and ``s``. jax.vjp keeps all of
-    them. The cost is the op run again in backward (under jit, without a barrier: XLA
-    may merge it with the forward value, which is no worse than saving it).
-
-    Random bits (`_RANDOM`) are rebuilt the same way from a kept key, and a record that
-    keeps a bit-packed mask of an operand (``select_n``'s predicate) keeps the operand
-    instead when that operand is rebuilt (`keeping_operands`): a dropout
-    ``where(bernoulli(key, p, x.shape), x / p, 0)`` keeps no mask, only the key.
-
-    Only records whose decision is open (`save` by default or PREFER_SAVE, outside a
-    checkpoint region) and which have no names (a `tg.name`d value is the user's
-    to decide) are rebuilt; a tape's outputs are left alone; random draws only with
-    ``draws``.
-
-    ``kept_exact`` (None: every kept value is exact, as under `save()`) says whether a
-    lossy policy stores an operand unchanged, asked with the info the operand is packed
-    with (the rebuilt record reading it: backward's recompute takes it from there). A
-    value rebuilt only from unchanged operands is the forward value, bit for bit; one
-    rebuilt from a rounded operand would carry that rounding into a value the policy
-    might have kept exact (a divisor, under low-bit compression), so it is kept instead.
-    Under `compress(bits=2)` a batch reshaped or broadcast before its first layer, or
-    labels turned into gather indices, then cost nothing instead of a rounded copy. The
-    same holds for a record switching from a mask to its operand: only to an unchanged one.
-
-    Returns the indices of the rebuilt records and the records that switch to keeping
-    operands, by index."""
-    banned: set[int] = set() if draws else {r.index for r in tape.records if r.primitive in _RANDOM}
-    while True:
-        rebuilt, plain, saved = _rebuilt_once(tape, decisions, open_, banned, kept_exact)
-        readers: dict[int, list[Record]] = {}
-        for r in tape.records:
-            if r.index in rebuilt:
-                for u in r.inputs:
-                    if isinstance(u, Var):
-                        readers.setdefault(u.id, []).append(r)
-        costly = {
-            i
-            for i in rebuilt
-            if tape.records[i].primitive in _RANDOM
-            and not _worth_rebuilding(tape.records[i], readers, saved)
-        }
-        if not costly:
-            return rebuilt, plain
-        banned |= costly
-
-
-def _rebuilt_once(
-    tape: Tape,
-    decisions: Sequence[str],
-    open_: Sequence[bool],
-    banned: set[int],
-    kept_exact: Callable[[ResidualInfo], bool] | None = None,
-) -> tuple[set[int], dict[int, Record], set[int]]:
-    producer: dict[int, Record] = {}
-    for rec in tape.records:
-        for o in rec.outputs:
-            producer[o.id] = rec
-    saved: set[int] = {
-        rec.residual_key(s)
-        for rec in tape.records
-        if rec.rule != "none"
-        for s in rec.saves
-        if s.kind != "aux"
-    }
-    kept_by_rules = frozenset(saved)  # not counting operands kept because they are rebuilt
-    outputs = {o.id for o in tape.outputs if isinstance(o, Var)}
-    rebuilt: set[int] = set()
-
-    def kept(u: object, reader: Record, i: int) -> bool:
-        """Whether backward holds operand ``i`` of ``reader`` as forward made it."""
-        if not isinstance(u, Var):
-            return True  # a literal
-        p = producer.get(u.id)  # None: an input or a constant, held by the caller
-        if p is not None and p.index in rebuilt:
-            return True
-        if p is not None and not (
-            decisions[p.index] == "save" and (u.id in kept_by_rules or p.primitive in _KEYS)
-        ):
-            return False
-        if kept_exact is None:
-            return True
-        info = ResidualInfo(reader, Saved("in", i, u.shape, u.dtype), u.shape, u.dtype, p is None)
-        return kept_exact(info)
-
-    plain: dict[int, Record] = {}
-    for rec in tape.records:
-        if rec.rule == "rule" and decisions[rec.index] == "save":
-            # Its mask's operand is rebuilt (or kept) anyway: keep that instead, for free.
-            alt = keeping_operands(rec)
-            if alt is not None and all(kept(rec.inputs[s.index], alt, s.index) for s in alt.saves):
-                plain[rec.index] = rec = alt
-                saved.update(rec.inputs[s.index].id for s in rec.saves)
-        if not (
-            (rec.primitive in _REBUILDABLE or rec.primitive in _RANDOM)
-            and rec.index not in banned
-            and open_[rec.index]
-            and decisions[rec.index] == "save"
-            and not rec.names
-            and not rec.bodies
-            and rec.rule != "fallback"
-            # re-running a record that derives values for its own backward (a mask) would
-            # change what it keeps, not just free its output
-            and not any(s.kind == "aux" for s in rec.saves)
-            and not any(o.id in outputs for o in rec.outputs)
-        ):
-            continue
-        if all(kept(u, rec, i) for i, u in enumerate(rec.inputs)):
-            rebuilt.add(rec.index)
-    # Only what backward needs: a rebuilt output some record saves, and what it is built from.
-    needed: set[int] = set()
-    stack = [i for i in rebuilt if any(o.id in saved for o in tape.records[i].outputs)]
-    while stack:
-        i = stack.pop()
-        if i not in needed:
-            needed.add(i)
-            for u in tape.records[i].inputs:
-                if isinstance(u, Var) and u.id in producer and producer[u.id].index in rebuilt:
-                    stack.append(producer[u.id].index)
-    return needed, plain, saved
-
-
-def _worth_rebuilding(draw: Record, readers: dict[int, list[Record]], saved: set[int]) -> bool:
-    """Random bits are rebuilt only for kept values of as many elements as they have
-    (reached through the rebuilt records that read them): a dropout mask is, a slice of
-    a larger draw is not (the draw would cost more than the few bytes it frees)."""
-    freed, seen, stack = 0, {draw.index}, [draw]
-    while stack:
-        r = stack.pop()
-        for o in r.outputs:
-            if o.id in saved:
-                freed += math.prod(o.shape)
-            for c in readers.get(o.id, ()):
-                if c.index not in seen:
-                    seen.add(c.index)
-                    stack.append(c)
-    return freed >= max(math.prod(o.shape) for o in draw.outputs)
-
-
 def build_segments(
     tape: Tape, decisions: Sequence[str], copied: AbstractSet[int] = frozenset()
 ) -> tuple[Segment, ...]:
@@ -766,7 +561,7 @@ def plan_recompute(
             dataclasses.replace(
                 g,
                 prevent_cse=False,
-                compiled=any(records[i].primitive in _RANDOM for i in g.records),
+                compiled=any(records[i].primitive in RANDOM for i in g.records),
             )
             if rebuilt.issuperset(g.records)
             else g

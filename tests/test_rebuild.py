@@ -1,4 +1,4 @@
-"""Values backward rebuilds from what it keeps anyway (`_checkpoint.rebuilt_records`):
+"""Values backward rebuilds from what it keeps anyway (`_rebuild.rebuilt_records`):
 a cheap exact op whose operands are all kept is re-run in backward, not kept."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from conftest import assert_trees_close, rand
 
 import tapegrad as tg
-from tapegrad import _checkpoint
+from tapegrad import _rebuild
 
 P = tg.CheckpointPolicy
 
@@ -81,7 +81,7 @@ def test_gradients_equal_jax_everywhere():
 def test_rebuilding_frees_exactly_the_rebuilt_values(monkeypatch):
     p, x = params(), rand((8, 16), seed=0)
     vjp = lambda p, x: tg.vjp(block, p, x)  # noqa: E731
-    monkeypatch.setattr(_checkpoint, "_REBUILDABLE", frozenset())
+    monkeypatch.setattr(_rebuild, "_REBUILDABLE", frozenset())
     kept_all = _held(vjp, p, x)
     monkeypatch.undo()
     rebuilt = _held(vjp, p, x)

@@ -143,7 +143,7 @@ def is_exact(policy: Any) -> bool:
     `offload()`, and wrappers of them. A policy says so with ``exact = True``; one that
     does not (`compress`, hooks, `route`) is taken to change values. Under such a
     policy backward rebuilds a value only from operands it keeps unchanged
-    (`keeps_exact`, `_checkpoint.rebuilt_records`): rebuilt from rounded operands, a
+    (`keeps_exact`, `_rebuild.rebuilt_records`): rebuilt from rounded operands, a
     value the policy itself would keep exact (a divisor, under low-bit compression)
     would come back rounded."""
     if policy is None:
@@ -166,7 +166,7 @@ def keeps_exact(policy: Any, info: ResidualInfo) -> bool:
     policy without that method is taken to change everything it packs.
 
     Backward rebuilds a cheap value under a lossy policy only from operands this holds
-    for (`_checkpoint.rebuilt_records`): the rebuilt value is then exact too."""
+    for (`_rebuild.rebuilt_records`): the rebuilt value is then exact too."""
     if is_exact(policy):
         return True
     if info.is_input and not packs_inputs(policy):

@@ -170,7 +170,7 @@ class Budget:
         self.mechanisms = _mechanisms(self.allow, self.max_error)
         # Not a plain policy once residuals may be moved or shrunk (see _base.is_plain).
         self.packs = bool(self.mechanisms)
-        # Values backward rebuilds (`_checkpoint.rebuilt_records`) are part of the plan; a
+        # Values backward rebuilds (`_rebuild.rebuilt_records`) are part of the plan; a
         # rebuild from a bf16/int8 operand errs within the class max_error admits.
         self.exact = is_exact(self.base)
         self.last: dict[str, Any] = {}

@@ -157,7 +157,7 @@ def keeping_operands(rec):
     """``rec`` keeping the operands its rule can read instead of its derived values
     (bit-packed masks), or None when it keeps no derived values or its rule has no such
     form. Callers decide when that is worth it: when the operands are kept anyway
-    (`share_operands`), or rebuilt in backward for free (`_checkpoint.rebuilt_records`)."""
+    (`share_operands`), or rebuilt in backward for free (`_rebuild.rebuilt_records`)."""
     rule = RULES.get(rec.primitive)
     if rule is None or rule.plain is None or not any(s.kind == "aux" for s in rec.saves):
         return None

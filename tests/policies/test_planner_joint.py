@@ -165,7 +165,7 @@ def test_measured_peak_never_rises_as_the_budget_tightens(mlp_model):
 def _single(f, args, column: int, costs: CostModel, policy) -> tuple[float, int]:
     """(predicted seconds, predicted peak) of one mechanism applied to every residual;
     the seconds include rebuilding the values an exact policy rebuilds in backward
-    (`_checkpoint.rebuilt_records`)."""
+    (`_rebuild.rebuilt_records`)."""
     tape = tg.trace(f, argnums=0, policy=policy)(*args)
     tl = joint.timeline(tape, prefetch=resolve_prefetch(policy, tape))
     opts = joint.options(tl, (joint.COLUMNS[column],), costs)

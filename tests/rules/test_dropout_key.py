@@ -1,5 +1,5 @@
 """Dropout keeps the key, not the mask (issue 16): under an exact policy, a mask drawn
-from a kept key is rebuilt in backward (`_checkpoint.rebuilt_records`), and ``select_n``
+from a kept key is rebuilt in backward (`_rebuild.rebuilt_records`), and ``select_n``
 keeps its predicate operand, rebuilt, instead of a bit-packed copy."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from conftest import assert_trees_close, rand
 
 import tapegrad as tg
-from tapegrad import _checkpoint
+from tapegrad import _rebuild
 
 RATE = 0.25
 KEYS = {"typed": jax.random.key, "raw": jax.random.PRNGKey}
@@ -63,8 +63,15 @@ def test_no_mask_is_kept_and_the_draw_is_rebuilt(kind):
     held = sorted((str(v.dtype), v.shape) for k, v in kept.items() if k not in inputs)
     keys = [("key<fry>", (2,))] if kind == "typed" else [("key<fry>", ())] * 2
     assert held == sorted([("float32", (16, 64))] * 2 + keys)
-    # Under a lossy policy nothing is rebuilt: the masks stay packed.
-    lossy = tg.trace(mlp, argnums=(0, 1), policy=tg.policies.compress(jnp.float32))(p, x, key)
+    # Under a lossy policy too: compress hands the keys back unchanged (it rounds floats
+    # only), so the draws are rebuilt from them and no mask is kept.
+    lossy = tg.trace(mlp, argnums=(0, 1), policy=tg.policies.compress(jnp.bfloat16))(p, x, key)
+    assert _masks(lossy) == []
+    bits = [r for r in lossy.records if r.primitive == "random_bits"]
+    assert len(bits) == 2 and all(r.decision == "recompute" for r in bits)
+    # A policy that changes what it is given (hooks) rebuilds nothing: the masks stay packed.
+    hooks = tg.policies.hooks(lambda v: v, lambda v: v)
+    lossy = tg.trace(mlp, argnums=(0, 1), policy=hooks)(p, x, key)
     assert [np.dtype(s.dtype) for s in _masks(lossy)] == [np.uint8, np.uint8]
 
 
@@ -109,7 +116,7 @@ def test_between_forward_and_backward_no_mask_is_held(monkeypatch):
     p, x, key = params(), rand((16, 32), seed=0), jax.random.key(3)
     vjp = lambda p, x: tg.vjp(mlp, p, x, key)  # noqa: E731
     rebuilt = _held(vjp, p, x)
-    monkeypatch.setattr(_checkpoint, "_RANDOM", frozenset())
+    monkeypatch.setattr(_rebuild, "RANDOM", frozenset())
     tg.clear_caches()
     masked = _held(vjp, p, x)
     tape = tg.trace(mlp, argnums=(0, 1))(p, x, key)
