@@ -232,6 +232,19 @@ def live_bytes_by_kind() -> dict[str, int]:
     return out
 
 
+def held_after_forward(f: Callable, *args: Any) -> int:
+    """Bytes of live jax arrays that ``f(*args)`` (returning ``(out, vjp_fn)``, as
+    `tg.vjp` does) leaves alive beyond what was alive before and its output: what its
+    forward keeps for backward."""
+    gc.collect()
+    before = sum(a.nbytes for a in jax.live_arrays())
+    out, vjp_fn = f(*args)
+    gc.collect()
+    held = sum(a.nbytes for a in jax.live_arrays()) - before - out.nbytes
+    del out, vjp_fn
+    return held
+
+
 def random_like(tree, seed: int = 0):
     """A pytree of standard-normal values with ``tree``'s structure, shapes, dtypes."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)

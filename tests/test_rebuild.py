@@ -3,11 +3,10 @@ a cheap exact op whose operands are all kept is re-run in backward, not kept."""
 
 from __future__ import annotations
 
-import gc
-
 import jax
 import jax.numpy as jnp
 from conftest import assert_trees_close, rand
+from conftest import held_after_forward as _held
 
 import tapegrad as tg
 from tapegrad import _rebuild
@@ -33,16 +32,6 @@ def params(d=16, n=12):
         "w": rand((d, n), seed=3) / 4,
         "v": rand((n, d), seed=4) / 4,
     }
-
-
-def _held(f, *args) -> int:
-    gc.collect()
-    before = sum(a.nbytes for a in jax.live_arrays())
-    out, vjp_fn = f(*args)
-    gc.collect()
-    held = sum(a.nbytes for a in jax.live_arrays()) - before - out.nbytes
-    del out, vjp_fn
-    return held
 
 
 def test_layer_norm_output_and_softmax_quotient_are_rebuilt():

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from tapegrad._tape import itemsize
+from tapegrad._tape import Var, itemsize
 
 __all__ = [
     "CostModel",
@@ -201,7 +201,7 @@ def prefetch_depth(tape: Any, costs: CostModel | None = None) -> int:
     compute = [2.0 * record_flops(r) / costs.flops_per_s for r in order]
     depth = 1
     for m, rec in enumerate(order):
-        vals = {v.id: v for v in (*rec.inputs, *rec.outputs) if hasattr(v, "id")}
+        vals = {v.id: v for v in (*rec.inputs, *rec.outputs) if isinstance(v, Var)}
         nbytes = sum(device_nbytes(v) for i, v in vals.items() if i not in free)
         need = nbytes / costs.h2d_bytes_per_s
         covered = 0.0

@@ -278,7 +278,7 @@ class Budget:
                 )
             flops, peak, chosen, family = best
             kept = sc.index.residual_keys(sc.index.segments(chosen))[0]
-            tl = joint.timeline(sc.planned(chosen), resolve_prefetch(self.base, tape), sc._memo)
+            tl = joint.timeline(sc.planned(chosen), resolve_prefetch(self, tape), sc._memo)
             self.last = {
                 "peak_bytes": peak,
                 "recompute_flops": flops,
@@ -290,7 +290,7 @@ class Budget:
                     if not (isinstance(k, int) and k in sc.index.free)
                 },
                 "timeline": tuple(
-                    zip(tl.labels, joint.live_bytes(tl, tl.full, 0 * tl.full).tolist())
+                    zip(tl.labels, joint.live_bytes(tl, tl.full, np.zeros_like(tl.full)).tolist())
                 ),
             }
             canon = {}
@@ -349,7 +349,7 @@ class Budget:
         if "offload" in self.mechanisms:
             depths: tuple[int, ...] = (1, 0)
         else:
-            depths = (resolve_prefetch(self.base, tape),)
+            depths = (resolve_prefetch(self, tape),)
         for prefetch in depths:
             winner, least = self._complete(tape, sc, cands, fixed, prefetch, costs)
             if least is not None:
@@ -630,7 +630,7 @@ def _joint_ilp_candidate(
     from tapegrad.policies import _planner_ilp_joint
 
     # planned with copies one record ahead, as `Budget._plan_joint` plans first
-    prefetch = 1 if "offload" in pol.mechanisms else resolve_prefetch(pol.base, tape)
+    prefetch = 1 if "offload" in pol.mechanisms else resolve_prefetch(pol, tape)
     dec = _planner_ilp_joint.plan_candidate(tape, fixed, pol.bytes, pol.mechanisms, costs, prefetch)
     return [] if dec is None else [(dec, "joint ILP")]
 

@@ -23,6 +23,7 @@ from tapegrad.policies._cost import CostModel
 from tapegrad.policies._planner_chain_joint import candidates, chain_joint_plan, joint_chain
 from tapegrad.policies._planner_measure import measured_peak
 from tapegrad.policies._planner_search import Scorer
+from tests.policies.test_budget import chain_aux, chain_mixed
 
 P = tg.policies
 ALL = ("save", "recompute", "offload", "compress")
@@ -57,31 +58,6 @@ def mlp_args(layers: int, seed: int = 0):
     ks = jax.random.split(jax.random.key(seed), layers + 1)
     ws = [jax.random.normal(k, (widths[i], widths[i + 1])) / 3 for i, k in enumerate(ks[:-1])]
     return ws, jax.random.normal(ks[-1], (4, widths[0]))
-
-
-class Cube(tg.Function):  # keeps a derived value (x*x), not its input or output
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x * x)
-        return x * x * x
-
-    @staticmethod
-    def backward(ctx, g):
-        (x2,) = ctx.saved_tensors
-        return 3 * x2 * g
-
-
-def chain_aux(ws, x):
-    h = Cube.apply(jnp.sin(x @ ws[0]))
-    h = jnp.tanh(h @ ws[1])
-    return jnp.sum(h**2)
-
-
-def chain_mixed(ws, x):  # ops that save their input, their output, both, or nothing
-    h = jnp.exp(x @ ws[0])
-    h = jnp.log1p(h * h) @ ws[1]
-    h = jax.nn.sigmoid(h)
-    return jnp.sum(jnp.cos(h) * 2.0)
 
 
 def brute_force(tape, mechanisms, prefetch, costs, fixed=None):

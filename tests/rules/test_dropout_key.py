@@ -4,13 +4,12 @@ keeps its predicate operand, rebuilt, instead of a bit-packed copy."""
 
 from __future__ import annotations
 
-import gc
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import assert_trees_close, rand
+from conftest import held_after_forward as _held
 
 import tapegrad as tg
 from tapegrad import _rebuild
@@ -33,16 +32,6 @@ def mlp(p, x, key):
 
 def params():
     return {"w1": rand((32, 64), seed=1) / 6, "w2": rand((64, 64), seed=2) / 8}
-
-
-def _held(f, *args) -> int:
-    gc.collect()
-    before = sum(a.nbytes for a in jax.live_arrays())
-    out, vjp_fn = f(*args)
-    gc.collect()
-    held = sum(a.nbytes for a in jax.live_arrays()) - before - out.nbytes
-    del out, vjp_fn
-    return held
 
 
 def _masks(tape) -> list:
