@@ -375,7 +375,7 @@ def _input_key(v: Var) -> tuple:
     mesh = getattr(getattr(v, "sharding", None), "mesh", None)
     if mesh is not None and not mesh.empty:
         raise NoKey
-    return (v.id, v.shape, str(v.dtype))
+    return (v.shape, str(v.dtype))
 
 
 def _local_record_key(rec: Record, num: Callable[[int], int]) -> tuple:
@@ -402,7 +402,7 @@ def segment_call(tape: Tape, seg: Any) -> Any:
 
     try:
         key = (
-            tuple((num(v.id),) + _input_key(v)[1:] for v in seg.inputs),
+            tuple((num(v.id),) + _input_key(v) for v in seg.inputs),
             tuple(_local_record_key(r, num) for r in records),
             tuple(num(o.id) for o in seg.outputs),
         )
