@@ -7,7 +7,8 @@ residual costs in device bytes and in step time.
 * offload: device -> host in forward and host -> device in backward, at the measured
   bandwidths (no overlap assumed: an upper bound on the step time it adds);
 * compress: one pack and one unpack, at ``compress_bytes_per_s`` of the original
-  bytes; the stored bytes are the packed format's (`compressed_nbytes`), and the
+  bytes (bf16, int8) or ``lowbit_bytes_per_s`` (4-bit, 2-bit: stochastic rounding and
+  bit packing); the stored bytes are the packed format's (`compressed_nbytes`), and the
   mechanism carries an *error class* (`ERROR_CLASSES`, lossless first) that
   ``budget(max_error=...)`` bounds.
 
@@ -42,9 +43,18 @@ __all__ = [
 ]
 
 # Lossless first; ``max_error=c`` allows every class up to c.
-ERROR_CLASSES = ("lossless", "bf16", "int8")
+ERROR_CLASSES = ("lossless", "bf16", "int8", "4-bit", "2-bit")
 # Per-residual mechanisms beside recompute (a record decision), with their error class.
-MECHANISMS = {"save": "lossless", "offload": "lossless", "bf16": "bf16", "int8": "int8"}
+MECHANISMS = {
+    "save": "lossless",
+    "offload": "lossless",
+    "bf16": "bf16",
+    "int8": "int8",
+    "4-bit": "4-bit",
+    "2-bit": "2-bit",
+}
+# Low-bit mechanisms: `compress(bits=n)`, per-group min/scale with stochastic rounding.
+LOWBIT = {"4-bit": 4, "2-bit": 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +63,10 @@ class CostModel:
 
     ``flops_per_s``: recomputation (`budget.record_flops` per second);
     ``d2h_bytes_per_s`` / ``h2d_bytes_per_s``: offload's two copies;
-    ``compress_bytes_per_s``: a compress round trip (pack + unpack) per original byte.
+    ``compress_bytes_per_s``: a compress round trip (pack + unpack) per original byte;
+    ``lowbit_bytes_per_s``: the same for 4-bit and 2-bit (None: ``compress_bytes_per_s``
+    / 5, the ratio `calibrate` measured on a CPU: pack ~3.5 GB/s, unpack ~9 GB/s, a
+    bfloat16 round trip ~14 GB/s).
     """
 
     flops_per_s: float
@@ -62,6 +75,7 @@ class CostModel:
     compress_bytes_per_s: float
     backend: str = "cpu"
     measured: bool = False
+    lowbit_bytes_per_s: float | None = None
 
     def recompute_s(self, flops: float) -> float:
         return flops / self.flops_per_s
@@ -72,12 +86,18 @@ class CostModel:
     def compress_s(self, nbytes: int) -> float:
         return nbytes / self.compress_bytes_per_s
 
+    def lowbit_s(self, nbytes: int) -> float:
+        rate = self.lowbit_bytes_per_s or self.compress_bytes_per_s / 5
+        return nbytes / rate
+
     def mechanism_s(self, mech: str, nbytes: int) -> float:
         """Seconds ``mech`` adds to a step for a residual of ``nbytes`` (on one device)."""
         if mech == "save":
             return 0.0
         if mech == "offload":
             return self.offload_s(nbytes)
+        if mech in LOWBIT:
+            return self.lowbit_s(nbytes)
         return self.compress_s(nbytes)
 
 
@@ -125,8 +145,9 @@ def calibrate(force: bool = False, *, size: int = 512, mbytes: int = 16, repeats
     tg.policies.budget(bytes=..., allow=("save", "recompute", "offload"), costs=costs)
     ```
     Probes: a ``size``-square float32 matmul (flops/s), an ``mbytes`` MiB array to
-    pinned host memory and back (bytes/s each way), and a bfloat16 compress round trip
-    of the same array (bytes/s). ``force=True`` measures again. Returns a `CostModel`
+    pinned host memory and back (bytes/s each way), a bfloat16 compress round trip
+    of the same array, and a 2-bit pack and unpack of it (bytes/s; timed apart, as
+    forward and backward run them). ``force=True`` measures again. Returns a `CostModel`
     (``measured=True``); `budget` uses it by default from then on.
     """
     import jax
@@ -158,9 +179,26 @@ def calibrate(force: bool = False, *, size: int = 512, mbytes: int = 16, repeats
         d2h, h2d = base.d2h_bytes_per_s, base.h2d_bytes_per_s
     trip = jax.jit(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32))
     comp = nbytes / _best_of(lambda: trip(x).block_until_ready(), repeats)
-    model = CostModel(flops, d2h, h2d, comp, backend, measured=True)
+    lowbit = nbytes / _lowbit_round_trip(x.reshape(-1, 1024), repeats)
+    model = CostModel(flops, d2h, h2d, comp, backend, measured=True, lowbit_bytes_per_s=lowbit)
     _CALIBRATED[backend] = model
     return model
+
+
+def _lowbit_round_trip(x: Any, repeats: int) -> float:
+    """Seconds of a 2-bit pack plus an unpack of ``x``, each its own compiled call."""
+    import jax
+    import jax.numpy as jnp
+
+    from tapegrad.policies._lowbit import key_words, lowbit_layout, pack_lowbit, unpack_lowbit
+
+    lay = lowbit_layout(x, 2, 128)
+    words, rid = key_words(0), jnp.uint32(0)
+    pack = jax.jit(lambda x: pack_lowbit(x, words, rid, bits=2, lay=lay))
+    unpack = jax.jit(lambda p: unpack_lowbit(p, x.dtype))
+    packed = pack(x)
+    t_pack = _best_of(lambda: jax.block_until_ready(pack(x)), repeats)
+    return t_pack + _best_of(lambda: unpack(packed).block_until_ready(), repeats)
 
 
 def device_nbytes(var: Any) -> int:
@@ -170,6 +208,19 @@ def device_nbytes(var: Any) -> int:
     from tapegrad._tape import device_nbytes as nbytes
 
     return nbytes(tuple(var.shape), var.dtype, getattr(var, "sharding", None))
+
+
+def _lowbit_nbytes(bits: int, shape: tuple[int, ...], dtype: Any, sharding: Any) -> int:
+    """`compress(bits=...)`'s packed bytes on one device, laid out as `compress` lays
+    out a value of this type (`_groups.type_shards`). Its groups never cross a shard,
+    so every device holds an equal part of them."""
+    from tapegrad.policies._groups import layout_for, type_shards
+    from tapegrad.policies._lowbit import packed_nbytes
+    from tapegrad.policies.compress import DEFAULT_GROUP
+
+    shards = type_shards(shape, sharding)
+    total = packed_nbytes(layout_for(shape, shards, DEFAULT_GROUP, 8 // bits), bits, dtype)
+    return total // math.prod(shards or ())
 
 
 # The deepest lookahead `prefetch_depth` picks: each record ahead holds its residuals'
@@ -227,15 +278,20 @@ def resolve_prefetch(policy: Any, tape: Any) -> int:
     return int(p or 0)
 
 
-def compressed_nbytes(mech: str, shape: tuple[int, ...], dtype: Any, nbytes: int) -> int | None:
-    """Bytes `compress` stores for a residual under ``mech`` ("bf16" / "int8"), or None
-    when it does not apply (not floating, or not wider than the target)."""
+def compressed_nbytes(
+    mech: str, shape: tuple[int, ...], dtype: Any, nbytes: int, sharding: Any = None
+) -> int | None:
+    """Bytes `compress` stores on one device for a residual under ``mech`` ("bf16",
+    "int8", "4-bit", "2-bit") whose device bytes are ``nbytes``, or None when it does
+    not apply (not floating, or not wider than the target)."""
     import jax.numpy as jnp
 
     dt = np.dtype(dtype)
     if not jnp.issubdtype(dt, jnp.floating):
         return None
     width = itemsize(dt)
+    if mech in LOWBIT:
+        return _lowbit_nbytes(LOWBIT[mech], tuple(shape), dt, sharding)
     n = nbytes // max(width, 1)
     if mech == "bf16":
         return 2 * n if width > 2 else None

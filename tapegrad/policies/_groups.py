@@ -23,12 +23,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Layout", "layout_for", "to_groups", "from_groups", "dim_shards", "explicit_sharding"]
+__all__ = [
+    "Layout",
+    "layout_for",
+    "to_groups",
+    "from_groups",
+    "dim_shards",
+    "type_shards",
+    "explicit_sharding",
+]
 
 
 def _explicit_mesh(mesh) -> bool:
@@ -64,6 +73,14 @@ def dim_shards(x) -> tuple[int, ...] | None:
         s = jax.typeof(x).sharding
     except Exception:  # noqa: BLE001
         return None
+    return type_shards(shape, s)
+
+
+def type_shards(shape: tuple[int, ...], s: Any) -> tuple[int, ...] | None:
+    """`dim_shards` of a value of ``shape`` whose type's sharding is ``s`` (Explicit
+    mesh axes split it; Auto axes, or no mesh, leave it to XLA: None)."""
+    if jax.device_count() == 1:
+        return (1,) * len(shape)
     mesh = getattr(s, "mesh", None)
     if mesh is None or getattr(mesh, "empty", True):
         return None  # several devices, no mesh in the type: XLA decides

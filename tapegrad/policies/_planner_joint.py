@@ -10,8 +10,8 @@ residual holds in between:
 * ``save``: its bytes from forward until its release;
 * ``offload``: none while it is on host, its full bytes from the unpack on (the
   device copy), at two transfers' time;
-* ``bf16`` / ``int8`` (compress): the packed bytes until its release, plus the
-  unpacked copy from the unpack on, at a round trip's time.
+* ``bf16`` / ``int8`` / ``4-bit`` / ``2-bit`` (compress): the packed bytes until its
+  release, plus the unpacked copy from the unpack on, at a round trip's time.
 
 So a `Timeline` is a list of points (the end of forward, each recomputation, each
 backward record) with, per point, the bytes the plan holds whatever the mechanisms
@@ -32,9 +32,9 @@ from typing import Any
 import numpy as np
 
 from tapegrad._tape import Tape
-from tapegrad.policies._cost import CostModel, compressed_nbytes, device_nbytes
+from tapegrad.policies._cost import LOWBIT, CostModel, compressed_nbytes, device_nbytes
 
-__all__ = ["Timeline", "timeline", "options", "assign_greedy", "evaluate"]
+__all__ = ["Timeline", "timeline", "options", "assign_greedy", "evaluate", "pole_keys"]
 
 
 @dataclasses.dataclass
@@ -51,6 +51,11 @@ class Timeline:
     # What happens at each point: "forward" (its end), "recompute" (a segment re-run),
     # "bwd i" (record i's backward; `memory_report`'s timeline names its steps alike).
     labels: tuple[str, ...] = ()
+    # Keys the low-bit columns do not apply to: values some record divides by in
+    # backward (`_lowbit.read_through_a_pole`: rounding them would bias the gradient),
+    # and inputs of recomputed segments (re-run through nonlinear records, a 2-bit
+    # rounding would no longer be right on average, and its error would spread).
+    exact: frozenset = frozenset()
 
     @property
     def points(self) -> int:
@@ -141,10 +146,27 @@ def timeline(tape: Tape, prefetch: int = 0, memo: dict | None = None) -> Timelin
         np.array(fixed, np.int64),
         flops,
         tuple(labels),
+        pole_keys(tape) | {v.id for seg in tape.segments for v in seg.inputs},
     )
 
 
-COLUMNS = ("save", "offload", "bf16", "int8")
+def pole_keys(tape: Tape) -> frozenset:
+    """Residual keys some record of ``tape`` divides by in backward: `compress(bits=...)`
+    keeps them exact (the mean of ``1 / x`` over a rounding is not ``1 / x``)."""
+    from types import SimpleNamespace
+
+    from tapegrad.policies._lowbit import read_through_a_pole
+
+    return frozenset(
+        rec.residual_key(s)
+        for rec in tape.records
+        if rec.rule != "none"
+        for s in rec.saves
+        if read_through_a_pole(SimpleNamespace(record=rec, saved=s))
+    )
+
+
+COLUMNS = ("save", "offload", "bf16", "int8", "4-bit", "2-bit")
 
 
 @dataclasses.dataclass
@@ -152,7 +174,7 @@ class Options:
     """Per key and mechanism (columns `COLUMNS`): stored bytes, copy bytes, seconds;
     ``valid`` says which apply (``save`` always does)."""
 
-    stored: np.ndarray  # (K, 4)
+    stored: np.ndarray  # (K, len(COLUMNS))
     copied: np.ndarray
     seconds: np.ndarray
     valid: np.ndarray
@@ -163,11 +185,11 @@ class Options:
 
 def options(tl: Timeline, mechanisms: tuple[str, ...], costs: CostModel) -> Options:
     """The mechanisms that apply to each key (``mechanisms`` among `COLUMNS`)."""
-    K = len(tl.keys)
-    S = np.zeros((K, 4), np.int64)
-    C = np.zeros((K, 4), np.int64)
-    sec = np.zeros((K, 4), np.float64)
-    ok = np.zeros((K, 4), bool)
+    K, M = len(tl.keys), len(COLUMNS)
+    S = np.zeros((K, M), np.int64)
+    C = np.zeros((K, M), np.int64)
+    sec = np.zeros((K, M), np.float64)
+    ok = np.zeros((K, M), bool)
     S[:, 0], ok[:, 0] = tl.full, True
     for k, v in enumerate(tl.vars):
         b = int(tl.full[k])
@@ -177,10 +199,12 @@ def options(tl: Timeline, mechanisms: tuple[str, ...], costs: CostModel) -> Opti
             j = COLUMNS.index(m)
             if m == "offload":
                 S[k, j], C[k, j], sec[k, j], ok[k, j] = 0, b, costs.offload_s(b), True
-            else:
-                c = compressed_nbytes(m, tuple(v.shape), v.dtype, b)
+            elif not (m in LOWBIT and tl.keys[k] in tl.exact):
+                sharding = getattr(v, "sharding", None)
+                c = compressed_nbytes(m, tuple(v.shape), v.dtype, b, sharding)
                 if c is not None and c < b:
-                    S[k, j], C[k, j], sec[k, j], ok[k, j] = c, b, costs.compress_s(b), True
+                    S[k, j], C[k, j], ok[k, j] = c, b, True
+                    sec[k, j] = costs.mechanism_s(m, b)
     return Options(S, C, sec, ok)
 
 

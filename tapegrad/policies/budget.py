@@ -31,7 +31,7 @@ import numpy as np
 
 from tapegrad._tape import Record, Tape
 from tapegrad.errors import TapegradError
-from tapegrad.policies._cost import device_nbytes, prefetch_depth, resolve_prefetch
+from tapegrad.policies._cost import LOWBIT, device_nbytes, prefetch_depth, resolve_prefetch
 
 __all__ = ["Budget", "budget", "estimate", "BudgetError", "record_flops"]
 
@@ -156,6 +156,7 @@ class Budget:
         allow: Sequence[str] = ("save", "recompute"),
         max_error: str | None = None,
         costs: Any = None,
+        key: Any = None,
     ):
         from tapegrad.policies._base import SAVE, is_exact
 
@@ -165,13 +166,14 @@ class Budget:
         self.base = SAVE if base is None else base
         self.allow, self.max_error = _check_allow(allow, max_error)
         self.costs = costs
+        self.key = key  # stochastic rounding's, for the low-bit formats
         # Per-residual mechanisms beside save/recompute: offload, and the compress
         # formats whose error class max_error admits.
         self.mechanisms = _mechanisms(self.allow, self.max_error)
         # Not a plain policy once residuals may be moved or shrunk (see _base.is_plain).
         self.packs = bool(self.mechanisms)
         # Values backward rebuilds (`_rebuild.rebuilt_records`) are part of the plan; a
-        # rebuild from a bf16/int8 operand errs within the class max_error admits.
+        # rebuild from a compressed operand errs within the class max_error admits.
         self.exact = is_exact(self.base)
         self.last: dict[str, Any] = {}
         # Plans by tape structure: tg.grad, memory_report and jit of one function
@@ -203,6 +205,8 @@ class Budget:
                 "offload": lambda: Offload(),
                 "bf16": lambda: Compress(jnp.bfloat16),
                 "int8": lambda: Compress("int8"),
+                "4-bit": lambda: Compress(bits=4, key=self.key),
+                "2-bit": lambda: Compress(bits=2, key=self.key),
             }[name]()
             self._impl[name] = impl
         return impl
@@ -476,7 +480,7 @@ def _relaxed(sc: Any, lo: int, hi: int) -> list[tuple]:
 
 
 _KNOWN = ("save", "recompute", "offload", "compress")
-_ERRORS = {None: 0, "lossless": 0, "bf16": 1, "int8": 2}
+_ERRORS = {None: 0, "lossless": 0, "bf16": 1, "int8": 2, "4-bit": 3, "2-bit": 4}
 
 
 def _check_allow(allow: Sequence[str], max_error: str | None) -> tuple[tuple[str, ...], Any]:
@@ -490,7 +494,8 @@ def _check_allow(allow: Sequence[str], max_error: str | None) -> tuple[tuple[str
         )
     if max_error not in _ERRORS:
         raise ValueError(
-            f"budget: max_error must be None (lossless), 'bf16' or 'int8'; got {max_error!r}."
+            "budget: max_error must be None (lossless), 'bf16', 'int8', '4-bit' or "
+            f"'2-bit'; got {max_error!r}."
         )
     return allow, max_error
 
@@ -501,7 +506,8 @@ def _mechanisms(allow: tuple[str, ...], max_error: str | None) -> tuple[str, ...
         out.append("offload")
     if "compress" in allow:
         level = _ERRORS[max_error]
-        out += [m for m, lv in (("bf16", 1), ("int8", 2)) if lv <= level]
+        formats = (("bf16", 1), ("int8", 2), ("4-bit", 3), ("2-bit", 4))
+        out += [m for m, lv in formats if lv <= level]
     return tuple(out)
 
 
@@ -513,10 +519,13 @@ def _packed_by(packed: Any, info: Any, base: Any) -> str | None:
     import numpy as np
 
     from tapegrad.policies._base import SAVE
+    from tapegrad.policies._lowbit import LowBit
     from tapegrad.policies.compress import Int8, Int8Blocks
 
     if isinstance(packed, (Int8, Int8Blocks)):
         return "int8"
+    if isinstance(packed, LowBit):
+        return f"{packed.bits}-bit"
     if not isinstance(packed, jax.Array):
         return None
     if isinstance(packed, jax.core.Tracer):
@@ -608,8 +617,16 @@ def _chain_joint(
         fixed = [f or "save" for f in fixed]
     bound = min((c[0] for c in scored if c[0] is not None), default=math.inf)
     return _planner_chain_joint.candidates(
-        tape, sc, fixed, pol.bytes, pol.mechanisms, prefetch, costs, bound
+        tape, sc, fixed, pol.bytes, _no_lowbit(pol.mechanisms), prefetch, costs, bound
     )
+
+
+def _no_lowbit(mechanisms: tuple[str, ...]) -> tuple[str, ...]:
+    """``mechanisms`` less 4-bit and 2-bit, for the programs that choose recompute and
+    mechanisms at once: they do not know that low-bit must not round what a recomputed
+    segment reads (`_planner_joint.Timeline.exact`). Their plans are completed with
+    every mechanism, low-bit included, like any other save/recompute candidate."""
+    return tuple(m for m in mechanisms if m not in LOWBIT)
 
 
 def _ilp_solver(tape: Tape) -> Any:
@@ -631,7 +648,8 @@ def _joint_ilp_candidate(
 
     # planned with copies one record ahead, as `Budget._plan_joint` plans first
     prefetch = 1 if "offload" in pol.mechanisms else resolve_prefetch(pol, tape)
-    dec = _planner_ilp_joint.plan_candidate(tape, fixed, pol.bytes, pol.mechanisms, costs, prefetch)
+    mechs = _no_lowbit(pol.mechanisms)
+    dec = _planner_ilp_joint.plan_candidate(tape, fixed, pol.bytes, mechs, costs, prefetch)
     return [] if dec is None else [(dec, "joint ILP")]
 
 
@@ -652,6 +670,7 @@ def budget(
     allow: Sequence[str] = ("save", "recompute"),
     max_error: str | None = None,
     costs: Any = None,
+    key: Any = None,
 ) -> Budget:
     """Let the planner choose, per residual, how to keep activation residuals under
     ``bytes`` (device bytes, per device) at the least predicted step time.
@@ -666,11 +685,14 @@ def budget(
     (re-run records in backward), ``"offload"`` (host memory between forward and
     backward, `tg.policies.offload`), ``"compress"`` (`tg.policies.compress`, in the
     formats whose error ``max_error`` admits: None = lossless only, so none;
-    ``"bf16"``; ``"int8"``, which admits bf16 too). Each costs predicted time by
+    ``"bf16"``; ``"int8"``, which admits bf16 too; ``"4-bit"`` and ``"2-bit"``,
+    `compress(bits=...)`'s stochastic rounding with the noise drawn from ``key=`` (an
+    int seed or a `jax.random.key`, default seed 0: pass a fresh one each step, as to
+    `compress`)). Each costs predicted time by
     ``costs`` (a `tg.policies.CostModel`; default: `tg.policies.calibrate`'s figures
     once measured, else per-backend defaults). ``base`` is the residual policy for
     what is saved; a `tg.selective` base makes its ALWAYS/NEVER binding and its
     PREFER_* hints. Records with side effects are never chosen for recompute. A
     budget no plan meets raises `BudgetError` naming the least peak found.
     """
-    return Budget(bytes, base, allow, max_error, costs)
+    return Budget(bytes, base, allow, max_error, costs, key)
