@@ -271,6 +271,8 @@ class Budget:
         if self.mechanisms:
             chosen, canon = self._plan_joint(tape, fixed, hints)
         else:
+            if "recompute" not in self.allow:  # e.g. allow=("save", "compress"), lossless
+                fixed = [f or "save" for f in fixed]
             sc, best = _save_recompute(tape, fixed, hints, self.bytes)
             if best is None:
                 raise BudgetError(

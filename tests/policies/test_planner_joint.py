@@ -214,6 +214,18 @@ def test_infeasible_budget_names_the_minimum(mlp_model):
         P.budget(full, allow=ALL, max_error="int4")
 
 
+@pytest.mark.parametrize("allow", [("save",), ("save", "compress")])
+def test_a_budget_without_recompute_never_recomputes(mlp_model, allow):
+    """allow= without "recompute" and no mechanism left (compress is lossy, max_error
+    None): save is the only plan, so a budget below it fails instead of recomputing."""
+    full = save_peak(mlp, mlp_model)
+    with pytest.raises(P.BudgetError, match=f"{full:,}"):
+        tg.grad(mlp, policy=P.budget(full // 2, allow=allow))(*mlp_model)
+    pol = P.budget(full, allow=allow)
+    tg.grad(mlp, policy=pol)(*mlp_model)
+    assert pol.last["recompute_flops"] == 0 and pol.last["peak_bytes"] == full
+
+
 def test_default_budget_is_unchanged_save_recompute(mlp_model):
     full = save_peak(mlp, mlp_model)
     pol = P.budget(full // 2)
