@@ -8,8 +8,8 @@ tokens) and error class (lossless, bf16, int8, 4-bit, 2-bit), with ``allow=("sav
 "compress")`` and with every mechanism:
 
 1. the least device peak of activations the planner reaches (bisection on the budget;
-   `BudgetError` below it), as a fraction of save()'s (`budget.estimate`), and the measured peak of that
-   plan (live arrays, eager): how far each class moves the floor;
+   `BudgetError` below it), as a fraction of save()'s (`budget.estimate`), and the
+   measured peak of that plan (live arrays, eager): how far each class moves the floor;
 2. at a budget below bf16's floor (30% of save()'s activation peak on the MLP, 75% on
    the transformer): the plan's mechanisms, its
    predicted step-time cost, and the jitted step time against save()'s, timed
@@ -27,7 +27,6 @@ import sys
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _models import mlp_loss, mlp_params, split_static, transformer_loss, transformer_params  # noqa: E402
