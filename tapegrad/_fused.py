@@ -54,8 +54,10 @@ class NoKey(Exception):
 _PLAIN = (str, type(None))
 # Placement params of a nested jit inside a sub-jaxpr (a custom_jvp call's body): jax
 # hashes and compares these by value.
+# PRNGImpl: a random_wrap's key implementation (a named tuple of module functions and
+# names, hashed by them, as jax's own jit cache keys it)
 _JAX_VALUES = frozenset(
-    {"UnspecifiedValue", "Mesh", "AbstractMesh", "NamedSharding", "PartitionSpec"}
+    {"UnspecifiedValue", "Mesh", "AbstractMesh", "NamedSharding", "PartitionSpec", "PRNGImpl"}
 )
 _NUMBERS = (int, bool)
 
@@ -73,14 +75,14 @@ def value_key(v: Any) -> Any:
         return v
     if isinstance(v, np.generic):
         return (t, v.tobytes())
+    if t.__name__ in _JAX_VALUES:  # compared by value, as jax's own jit cache keys them
+        return (t, v)
     if isinstance(v, tuple):  # namedtuples too (dimension numbers)
         return (t, tuple(value_key(x) for x in v))
     if t is complex:
         return (t, repr(v))
     if isinstance(v, (Jaxpr, ClosedJaxpr)):  # cond branches, scan bodies, scatter combiners
         return _jaxpr_key(v)
-    if t.__name__ in _JAX_VALUES:  # compared by value, as jax's own jit cache keys them
-        return (t, v)
     fused_key = getattr(v, "fused_key", None)  # a rule's own structure (custom_jvp_rule)
     if fused_key is not None:
         return (t, fused_key())
@@ -245,12 +247,12 @@ def _with_lits(tape: Tape, vals: Iterator[Any]) -> Tape:
 
 
 def _var_key(v: Var) -> tuple:
-    if not isinstance(v.dtype, np.dtype):
-        raise NoKey  # extended dtypes (PRNG keys) take the per-record path
     mesh = getattr(getattr(v, "sharding", None), "mesh", None)
     if mesh is not None and not mesh.empty:
         raise NoKey  # rules read a value's mesh sharding; eager arrays have none
-    return (v.id, v.shape, v.dtype)
+    # PRNG keys (extended dtypes, e.g. a dropout's) by name: jax.jit takes them as
+    # arguments like any array
+    return (v.id, v.shape, v.dtype if isinstance(v.dtype, np.dtype) else str(v.dtype))
 
 
 def _has_segments(tape: Tape) -> bool:

@@ -275,3 +275,36 @@ def test_custom_jvp_calls_take_the_fused_path_keyed_by_their_rule(compile_at_onc
         assert_trees_close(tg.grad(f)(x), jax.grad(f)(x))
     assert all(compile_at_once)
     assert len(_fused._COMPILED) == 3  # the scan, and one per rule
+
+
+def test_random_keys_take_the_fused_path_and_a_new_key_is_seen(compile_at_once):
+    """A dropout's PRNG key (an extended dtype) is an argument of the compiled call like
+    any array: the gradient is jax.grad's (its zeros, the dropped units, exactly), and
+    a different key, passed in or made from a changed seed inside the function, gives
+    jax.grad's for that key."""
+
+    def same(got, want):
+        assert_trees_close(got, want)
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(a == 0, b == 0), got, want)
+
+
+    def dropout(ws, x, key, rate=0.25):
+        h = x
+        for i, w in enumerate(ws):
+            h = jax.nn.relu(h @ w)
+            keep = jax.random.bernoulli(jax.random.fold_in(key, i), 1 - rate, h.shape)
+            h = jnp.where(keep, h / (1 - rate), 0.0)
+        return jnp.mean(h**2)
+
+    ws, x = [rand((8, 8), seed=i) for i in range(3)], rand((4, 8), seed=9)
+    for seed in (0, 0, 1):
+        key = jax.random.key(seed)
+        got = tg.grad(dropout, argnums=(0, 1))(ws, x, key)
+        same(got, jax.grad(dropout, argnums=(0, 1))(ws, x, key))
+    for seed in (3, 4):
+
+        def inner(ws, x, seed=seed):
+            return dropout(ws, x, jax.random.PRNGKey(seed))
+
+        same(tg.grad(inner)(ws, x), jax.grad(inner)(ws, x))
+    assert len(compile_at_once) == 5 and all(compile_at_once)
