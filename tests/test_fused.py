@@ -287,7 +287,6 @@ def test_random_keys_take_the_fused_path_and_a_new_key_is_seen(compile_at_once):
         assert_trees_close(got, want)
         jax.tree.map(lambda a, b: np.testing.assert_array_equal(a == 0, b == 0), got, want)
 
-
     def dropout(ws, x, key, rate=0.25):
         h = x
         for i, w in enumerate(ws):
