@@ -276,7 +276,7 @@ def merge(paths: list[str]) -> tuple[dict, list[dict]]:
     seeds = sorted({k[2] for k in runs})
     models = [m for m in MODELS if any(k[0] == m for k in runs)]
     policies = [p for p in POLICIES if any(k[1] == p for k in runs)]
-    args = first | {
+    args = {k: v for k, v in first.items() if k != "merge"} | {
         "seeds": len(seeds),
         "first_seed": seeds[0],
         "only": models,

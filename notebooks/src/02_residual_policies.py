@@ -331,6 +331,7 @@ for model, ax, cax in zip(["mlp", "cnn"], axes[0], axes[1]):
             label=policy,
         )
         # every seed of a policy holds the same bytes: the sizes depend on shapes only
+        # (and, for auto, on the widths each run fits: in this file the same bytes)
         assert len({r["held_bytes"] for r in rs}) == 1
     ax.set_xscale("log")
     ax.set(
