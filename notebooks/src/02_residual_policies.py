@@ -293,10 +293,13 @@ assert n_i8 > 0
 # ## Fewer bits, same accuracy? Training on real data
 #
 # `bench/accuracy_study.py` trains an MLP and a small CNN on scikit-learn's `load_digits`
-# (1,797 8x8 images) with optax Adam under each policy, 3 seeds, and writes the activation
-# bytes held (from `tg.memory_report`), the test accuracy and every loss curve to
+# (1,797 8x8 images) with optax Adam (learning rate on a cosine decay to 0 by default)
+# under each policy and several seeds, and writes the activation bytes held (from
+# `tg.memory_report`), the test accuracy and every loss curve to
 # `bench/accuracy_study.json`. Low-bit `compress(bits=...)` rounds stochastically with a
-# fresh key each step. The plot reads that file (re-run the script to refresh it).
+# fresh key each step; `auto` is `compress(bits="auto", budget_bits=3.0)`, its widths
+# fitted on each run's first batch. The plot reads that file (re-run the script to
+# refresh it).
 
 # %%
 root = pathlib.Path.cwd()
@@ -304,7 +307,10 @@ while not (root / "bench").is_dir() and root != root.parent:
     root = root.parent
 study = json.loads((root / "bench" / "accuracy_study.json").read_text())
 runs = study["runs"]
-order = ["save", "bf16", "int8", "4-bit", "2-bit"]
+# policies the file has, fewest bits last (files from before `auto` lack it)
+order = [
+    p for p in ["save", "bf16", "int8", "4-bit", "auto", "2-bit"] if p in study["args"]["policies"]
+]
 fig, axes = plt.subplots(2, 2, figsize=(11, 7))
 for model, ax, cax in zip(["mlp", "cnn"], axes[0], axes[1]):
     for policy in order:
@@ -325,10 +331,12 @@ for model, ax, cax in zip(["mlp", "cnn"], axes[0], axes[1]):
             label=policy,
         )
         # every seed of a policy holds the same bytes: the sizes depend on shapes only
+        # (and, for auto, on the widths each run fits: in this file the same bytes)
         assert len({r["held_bytes"] for r in rs}) == 1
     ax.set_xscale("log")
     ax.set(
-        title=f"{model}: {study['args']['steps']} Adam steps, mean ± sd of "
+        title=f"{model}: {study['args']['steps']} Adam steps "
+        f"({study['args'].get('schedule', 'constant')} lr), mean ± sd of "
         f"{study['args']['seeds']} seeds",
         xlabel="activation KiB held for backward",
         ylabel="test accuracy (%)",
