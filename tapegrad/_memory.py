@@ -194,14 +194,14 @@ class MemoryReport:
             yield from r.walk()
 
     def __str__(self) -> str:
-        from tapegrad._display import report_text
+        from tapegrad._display_report import report_text
 
         return report_text(self)
 
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
-        from tapegrad._display import report_html
+        from tapegrad._display_report import report_html
 
         return report_html(self)
 
