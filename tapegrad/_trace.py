@@ -32,7 +32,7 @@ from tapegrad._tape import Lit, Record, Region, Saved, Tape, Var, as_dtype
 from tapegrad.errors import ReverseModeError
 from tapegrad.rules import FALLBACK, NONDIFF, WHILE_ERROR, lookup
 from tapegrad.rules._registry import share_operands
-from tapegrad.rules.custom_jvp import ClosesOverTracer, expand_custom_jvp, share_outputs
+from tapegrad.rules.custom_jvp import ClosesOverTracer, expand_custom_jvp
 
 __all__ = ["trace_flat", "is_differentiable_dtype"]
 
@@ -564,7 +564,7 @@ def _build(
     free = frozenset(v.id for v in in_vars) | {c.id for c, _ in b.consts} if top else frozenset()
     tape = Tape(
         inputs=tuple(in_vars),
-        records=tuple(_share_outputs(records, free)),
+        records=tuple(_share_operands(records, free)),
         outputs=tuple(outs),
         consts=tuple(b.consts),
         active_inputs=tuple(bool(a) for a in active_inputs),
@@ -575,21 +575,12 @@ def _build(
     return tape, b.top_lits
 
 
-# relu's mask is kept as its own bits (1 per element, packed) rather than read off relu's
-# output when another record keeps that output: the saving is 1/32 of the activation, and
-# a lossy policy (compress) rounds the output, so a mask read off it would be wrong where
-# small positives round to 0 (measured: a 2-bit MLP on load_digits lost 1.1 accuracy
-# points with masks from rounded outputs, 0.4 with exact masks). Exact masks are
-# what every policy gets now; sharing stays available for lossless use.
-_SHARE_MASKS = False
-
-
-def _share_outputs(records: list[Record], free: frozenset[int] = frozenset()) -> list[Record]:
-    """Let each custom_jvp record read a residual off an output that another record
-    saves anyway (relu's mask off relu's output, which the next matmul keeps), and a
-    record that keeps packed masks keep its operands instead when those are kept anyway
-    (in ``free``, the top-level inputs and constants, or saved by another record)."""
-    if not any(r.saves and r.rule == "rule" or r.primitive == "custom_jvp_rule" for r in records):
+def _share_operands(records: list[Record], free: frozenset[int] = frozenset()) -> list[Record]:
+    """Let a record that keeps packed masks keep its inputs instead when those are kept
+    anyway (in ``free``, the top-level inputs and constants, or saved by another
+    record). A mask read off an output (relu's) waits for the policy: a lossy one may
+    round that output (`_rebuild.rebuilt_records` decides)."""
+    if not any(r.saves and r.rule == "rule" for r in records):
         return records
     holders: dict[int, set[int]] = {}
     for r in records:
@@ -601,10 +592,7 @@ def _share_outputs(records: list[Record], free: frozenset[int] = frozenset()) ->
                 holders.setdefault(v.id, set()).add(r.index)
     out = []
     for r in records:
-        if r.primitive == "custom_jvp_rule" and r.saves and _SHARE_MASKS:
-            elsewhere = {o.id for o in r.outputs if holders.get(o.id, set()) - {r.index}}
-            r = share_outputs(r, elsewhere) if elsewhere else r
-        elif r.rule == "rule" and r.saves:
+        if r.rule == "rule" and r.saves:
             kept = {
                 i.id for i in r.inputs if type(i) is Var and holders.get(i.id, set()) - {r.index}
             }
