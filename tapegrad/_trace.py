@@ -561,10 +561,13 @@ def _build(
             )
         )
 
-    free = frozenset(v.id for v in in_vars) | {c.id for c, _ in b.consts} if top else frozenset()
+    # The function's own tape is planned with its policy, which switches a record from
+    # its masks to values kept anyway only where it keeps them unchanged
+    # (`_rebuild.rebuilt_records`): a mask read off a rounded operand would be wrong. A
+    # loop body is not planned so: it shares here, whatever the policy.
     tape = Tape(
         inputs=tuple(in_vars),
-        records=tuple(_share_operands(records, free)),
+        records=tuple(records if top else _share_operands(records)),
         outputs=tuple(outs),
         consts=tuple(b.consts),
         active_inputs=tuple(bool(a) for a in active_inputs),
@@ -575,11 +578,10 @@ def _build(
     return tape, b.top_lits
 
 
-def _share_operands(records: list[Record], free: frozenset[int] = frozenset()) -> list[Record]:
-    """Let a record that keeps packed masks keep its inputs instead when those are kept
-    anyway (in ``free``, the top-level inputs and constants, or saved by another
-    record). A mask read off an output (relu's) waits for the policy: a lossy one may
-    round that output (`_rebuild.rebuilt_records` decides)."""
+def _share_operands(records: list[Record]) -> list[Record]:
+    """Let a record of a loop body that keeps packed masks keep its inputs instead when
+    another record of the body saves them (its inputs are per-step values, which nobody
+    holds for it)."""
     if not any(r.saves and r.rule == "rule" for r in records):
         return records
     holders: dict[int, set[int]] = {}
@@ -596,7 +598,7 @@ def _share_operands(records: list[Record], free: frozenset[int] = frozenset()) -
             kept = {
                 i.id for i in r.inputs if type(i) is Var and holders.get(i.id, set()) - {r.index}
             }
-            r = share_operands(r, free | kept)
+            r = share_operands(r, kept)
         out.append(r)
     return out
 

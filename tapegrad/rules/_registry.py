@@ -177,12 +177,13 @@ def keeping_operands(rec):
 
 def share_operands(rec, free: AbstractSet[int]):
     """``rec`` keeping its inputs instead of values derived from them (bit-packed masks)
-    when every such input is kept anyway: a literal, a value in ``free`` (the
-    function's inputs, which the caller holds, or a value another record saves). Packed
-    masks cost a bit per element; operands kept anyway cost nothing. Returns the record
-    unchanged otherwise, and for a form reading an output (relu's mask): whether a
-    policy keeps that output unchanged is known only when the tape is planned
-    (`_rebuild.rebuilt_records` switches those)."""
+    when every such input is a literal or in ``free`` (values another record saves).
+    Packed masks cost a bit per element; operands kept anyway cost nothing. Returns the
+    record unchanged otherwise, and for a form reading an output (relu's mask).
+
+    Blind to the policy: a lossy one would hand backward rounded operands, and masks read
+    off them would be wrong. Only loop bodies use it; a function's own tape switches in
+    `_rebuild.rebuilt_records`, where the policy is known."""
     plain = keeping_operands(rec)
     if plain is None or any(
         s.kind != "in" or rec.inputs[s.index].id not in free for s in plain.saves

@@ -246,3 +246,26 @@ def test_leaky_relu_keeps_its_mask(slope):
     (sel,) = [r for r in tape.records if r.primitive == "select_n"]
     assert "out" not in [s.kind for s in sel.saves]
     _equal(_vjp_grad(f)(h, w), jax.grad(f, argnums=(0, 1))(h, w))
+
+
+@pytest.mark.parametrize("op", ["max", "clamp"])
+def test_a_mask_is_never_read_off_a_rounded_operand(op):
+    """The same holds for an input form: ``max(h, 0.)``'s operand ``h``, kept (rounded) by
+    ``sin(h)`` under compress(bits=2), is not where its masks come from. sin's cotangent
+    is 0 here (``0 * ...``), so the gradient is jax's exactly when the masks are exact."""
+    clip = {"max": lambda h: jnp.maximum(h, 0.0), "clamp": lambda h: jax.lax.clamp(-0.5, h, 0.5)}
+
+    def f(x):
+        h = jnp.sin(x)
+        return jnp.sum(clip[op](h) * 3.0) + 0.0 * jnp.sum(jnp.sin(h))
+
+    x = jax.random.normal(jax.random.key(3), (16, 256))
+    policy = tg.policies.compress(bits=2, key=jax.random.key(5))
+    (rec,) = [r for r in tg.trace(f, policy=policy)(x).records if r.primitive == op]
+    assert [s.kind for s in rec.saves] == ["aux"] * len(rec.saves)
+    (rec,) = [r for r in tg.trace(f)(x).records if r.primitive == op]  # exact: h is kept
+    assert [s.kind for s in rec.saves] == ["in"]
+    want = jax.grad(f)(x)
+    _equal(_vjp_grad(f, argnums=(0,), policy=policy)(x)[0], want)
+    _equal(tg.grad(f, policy=policy)(x), want)
+    _equal(jax.jit(tg.grad(f, policy=policy))(x), jax.jit(jax.grad(f))(x))
