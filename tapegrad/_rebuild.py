@@ -77,8 +77,8 @@ def rebuilt_records(
     kept_exact: Callable[[ResidualInfo], bool] | None = None,
 ) -> tuple[set[int], dict[int, Record]]:
     """Records whose outputs backward rebuilds instead of keeping, because it holds
-    everything needed to rebuild them anyway; and records that keep their operands
-    instead of masks derived from them, because those operands are rebuilt.
+    everything needed to rebuild them anyway; and records that keep their operands or
+    outputs instead of masks derived from them, because those are rebuilt or kept anyway.
 
     A cheap op (`_REBUILDABLE`) whose operands are all kept anyway -- the function's
     inputs and constants, values some record saves for its own backward, or outputs of

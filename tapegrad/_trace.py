@@ -564,7 +564,8 @@ def _build(
     # The function's own tape is planned with its policy, which switches a record from
     # its masks to values kept anyway only where it keeps them unchanged
     # (`_rebuild.rebuilt_records`): a mask read off a rounded operand would be wrong. A
-    # loop body is not planned so: it shares here, whatever the policy.
+    # loop body is not planned so: it shares here, whatever the policy (so under
+    # `compress` a body's max/min/clamp may still read masks off a rounded operand).
     tape = Tape(
         inputs=tuple(in_vars),
         records=tuple(records if top else _share_operands(records)),
