@@ -1,7 +1,8 @@
 """Values backward rebuilds instead of keeping: cheap exact ops whose operands it keeps
 anyway (a layer norm's normalised value, a softmax's quotient, a residual stream's sum),
 random bits from their kept key (a dropout's mask), and records that keep an operand
-instead of a mask derived from it when that operand is rebuilt. A tape pass:
+or their output instead of a mask derived from it when that value is rebuilt or kept
+anyway (relu's mask off the output the next matmul keeps). A tape pass:
 `_checkpoint._decide` marks what `rebuilt_records` returns "recompute", and the
 executor re-runs it in backward like any recompute segment."""
 
@@ -76,8 +77,8 @@ def rebuilt_records(
     kept_exact: Callable[[ResidualInfo], bool] | None = None,
 ) -> tuple[set[int], dict[int, Record]]:
     """Records whose outputs backward rebuilds instead of keeping, because it holds
-    everything needed to rebuild them anyway; and records that keep their operands
-    instead of masks derived from them, because those operands are rebuilt.
+    everything needed to rebuild them anyway; and records that keep their operands or
+    outputs instead of masks derived from them, because those are rebuilt or kept anyway.
 
     A cheap op (`_REBUILDABLE`) whose operands are all kept anyway -- the function's
     inputs and constants, values some record saves for its own backward, or outputs of
@@ -91,7 +92,10 @@ def rebuilt_records(
     Random bits (`RANDOM`) are rebuilt the same way from a kept key, and a record that
     keeps a bit-packed mask of an operand (``select_n``'s predicate) keeps the operand
     instead when that operand is rebuilt (`keeping_operands`): a dropout
-    ``where(bernoulli(key, p, x.shape), x / p, 0)`` keeps no mask, only the key.
+    ``where(bernoulli(key, p, x.shape), x / p, 0)`` keeps no mask, only the key. A
+    record whose mask is a function of its own output (``jax.nn.relu``'s ``x > 0`` is
+    ``relu(x) > 0``, NaN included) keeps that output instead when another record keeps
+    it (the next matmul, for its weight gradient): 1 bit an element fewer.
 
     Only records whose decision is open (`save` by default or PREFER_SAVE, outside a
     checkpoint region) and which have no names (a `tg.name`d value is the user's
@@ -106,7 +110,9 @@ def rebuilt_records(
     might have kept exact (a divisor, under low-bit compression), so it is kept instead.
     Under `compress(bits=2)` a batch reshaped or broadcast before its first layer, or
     labels turned into gather indices, then cost nothing instead of a rounded copy. The
-    same holds for a record switching from a mask to its operand: only to an unchanged one.
+    same holds for a record switching from a mask to its operand or output: only to an
+    unchanged one (under `compress(bits=2)` relu keeps its mask: small positives rounded
+    to 0 or below would read as masked).
 
     Returns the indices of the rebuilt records and the records that switch to keeping
     operands, by index."""
@@ -152,8 +158,8 @@ def _rebuilt_once(
     outputs = {o.id for o in tape.outputs if isinstance(o, Var)}
     rebuilt: set[int] = set()
 
-    def kept(u: object, reader: Record, i: int) -> bool:
-        """Whether backward holds operand ``i`` of ``reader`` as forward made it."""
+    def kept(u: object, reader: Record, i: int, kind: str = "in") -> bool:
+        """Whether backward holds input (or output) ``i`` of ``reader`` as forward made it."""
         if not isinstance(u, Var):
             return True  # a literal
         p = producer.get(u.id)  # None: an input or a constant, held by the caller
@@ -165,17 +171,23 @@ def _rebuilt_once(
             return False
         if kept_exact is None:
             return True
-        info = ResidualInfo(reader, Saved("in", i, u.shape, u.dtype), u.shape, u.dtype, p is None)
+        info = ResidualInfo(reader, Saved(kind, i, u.shape, u.dtype), u.shape, u.dtype, p is None)
         return kept_exact(info)
 
     plain: dict[int, Record] = {}
     for rec in tape.records:
-        if rec.rule == "rule" and decisions[rec.index] == "save":
-            # Its mask's operand is rebuilt (or kept) anyway: keep that instead, for free.
+        if rec.rule in ("rule", "linearized") and decisions[rec.index] == "save":
+            # The values its masks are read off are rebuilt (or kept) anyway: keep those
+            # instead, for free. An output counts only when kept by a record (relu's, by
+            # the next matmul) and unchanged: a mask read off a rounded output is wrong
+            # where small values round across the threshold.
             alt = keeping_operands(rec)
-            if alt is not None and all(kept(rec.inputs[s.index], alt, s.index) for s in alt.saves):
+            if alt is not None and all(
+                kept((rec.inputs if s.kind == "in" else rec.outputs)[s.index], alt, s.index, s.kind)
+                for s in alt.saves
+            ):
                 plain[rec.index] = rec = alt
-                saved.update(rec.inputs[s.index].id for s in rec.saves)
+                saved.update(rec.residual_key(s) for s in rec.saves)
         if not (
             (rec.primitive in _REBUILDABLE or rec.primitive in RANDOM)
             and rec.index not in banned

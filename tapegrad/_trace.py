@@ -32,7 +32,7 @@ from tapegrad._tape import Lit, Record, Region, Saved, Tape, Var, as_dtype
 from tapegrad.errors import ReverseModeError
 from tapegrad.rules import FALLBACK, NONDIFF, WHILE_ERROR, lookup
 from tapegrad.rules._registry import share_operands
-from tapegrad.rules.custom_jvp import ClosesOverTracer, expand_custom_jvp, share_outputs
+from tapegrad.rules.custom_jvp import ClosesOverTracer, expand_custom_jvp
 
 __all__ = ["trace_flat", "is_differentiable_dtype"]
 
@@ -561,10 +561,14 @@ def _build(
             )
         )
 
-    free = frozenset(v.id for v in in_vars) | {c.id for c, _ in b.consts} if top else frozenset()
+    # The function's own tape is planned with its policy, which switches a record from
+    # its masks to values kept anyway only where it keeps them unchanged
+    # (`_rebuild.rebuilt_records`): a mask read off a rounded operand would be wrong. A
+    # loop body is not planned so: it shares here, whatever the policy (so under
+    # `compress` a body's max/min/clamp may still read masks off a rounded operand).
     tape = Tape(
         inputs=tuple(in_vars),
-        records=tuple(_share_outputs(records, free)),
+        records=tuple(records if top else _share_operands(records)),
         outputs=tuple(outs),
         consts=tuple(b.consts),
         active_inputs=tuple(bool(a) for a in active_inputs),
@@ -575,21 +579,11 @@ def _build(
     return tape, b.top_lits
 
 
-# relu's mask is kept as its own bits (1 per element, packed) rather than read off relu's
-# output when another record keeps that output: the saving is 1/32 of the activation, and
-# a lossy policy (compress) rounds the output, so a mask read off it would be wrong where
-# small positives round to 0 (measured: a 2-bit MLP on load_digits lost 1.1 accuracy
-# points with masks from rounded outputs, 0.4 with exact masks). Exact masks are
-# what every policy gets now; sharing stays available for lossless use.
-_SHARE_MASKS = False
-
-
-def _share_outputs(records: list[Record], free: frozenset[int] = frozenset()) -> list[Record]:
-    """Let each custom_jvp record read a residual off an output that another record
-    saves anyway (relu's mask off relu's output, which the next matmul keeps), and a
-    record that keeps packed masks keep its operands instead when those are kept anyway
-    (in ``free``, the top-level inputs and constants, or saved by another record)."""
-    if not any(r.saves and r.rule == "rule" or r.primitive == "custom_jvp_rule" for r in records):
+def _share_operands(records: list[Record]) -> list[Record]:
+    """Let a record of a loop body that keeps packed masks keep its inputs instead when
+    another record of the body saves them (its inputs are per-step values, which nobody
+    holds for it)."""
+    if not any(r.saves and r.rule == "rule" for r in records):
         return records
     holders: dict[int, set[int]] = {}
     for r in records:
@@ -601,14 +595,11 @@ def _share_outputs(records: list[Record], free: frozenset[int] = frozenset()) ->
                 holders.setdefault(v.id, set()).add(r.index)
     out = []
     for r in records:
-        if r.primitive == "custom_jvp_rule" and r.saves and _SHARE_MASKS:
-            elsewhere = {o.id for o in r.outputs if holders.get(o.id, set()) - {r.index}}
-            r = share_outputs(r, elsewhere) if elsewhere else r
-        elif r.rule == "rule" and r.saves:
+        if r.rule == "rule" and r.saves:
             kept = {
                 i.id for i in r.inputs if type(i) is Var and holders.get(i.id, set()) - {r.index}
             }
-            r = share_operands(r, free | kept)
+            r = share_operands(r, kept)
         out.append(r)
     return out
 

@@ -77,10 +77,12 @@ class Rule:
     derive: Callable[..., tuple[Sequence[Any], Any]] | None = None
     aux_avals: Callable[..., Sequence[tuple]] | None = None
     kind: str = "rule"
-    # plain(params, in_avals, out_avals, active) -> refs to operands the rule can read
-    # instead of its derived values (max's masks from x and y), used when those operands
-    # are kept anyway (`share_operands`); vjp then finds those derived values None.
-    plain: Callable[..., tuple[Ref, ...]] | None = None
+    # plain(params, in_avals, out_avals, active) -> refs to the values the rule can read
+    # instead of its derived values (max's masks from its inputs x and y, relu's mask
+    # from its output: ``x > 0`` is ``relu(x) > 0``), or None where it has no such form;
+    # used when those values are kept anyway (`keeping_operands`); vjp then finds those
+    # derived values None.
+    plain: Callable[..., tuple[Ref, ...] | None] | None = None
 
 
 RULES: dict[str, Rule] = {}
@@ -154,31 +156,37 @@ def zero_saves(*_):
 
 
 def keeping_operands(rec):
-    """``rec`` keeping the operands its rule can read instead of its derived values
-    (bit-packed masks), or None when it keeps no derived values or its rule has no such
-    form. Callers decide when that is worth it: when the operands are kept anyway
-    (`share_operands`), or rebuilt in backward for free (`_rebuild.rebuilt_records`)."""
+    """``rec`` keeping the inputs or outputs its rule can read instead of its derived
+    values (bit-packed masks), or None when it keeps no derived values or its rule has
+    no such form. Callers decide when that is worth it: when those values are kept
+    anyway (`share_operands`, `_rebuild.rebuilt_records`), or rebuilt in backward for
+    free (`_rebuild.rebuilt_records`)."""
     rule = RULES.get(rec.primitive)
     if rule is None or rule.plain is None or not any(s.kind == "aux" for s in rec.saves):
         return None
     refs = rule.plain(rec.params, rec.inputs, rec.outputs, rec.active)
-    if any(kind != "in" for kind, _ in refs):
+    if refs is None:
         return None
-    saves = tuple(
-        Saved("in", i, tuple(rec.inputs[i].shape), rec.inputs[i].dtype)
-        for _, i in refs
-        if isinstance(rec.inputs[i], Var)  # a literal lives in the program
-    )
-    return dataclasses.replace(rec, saves=saves)
+    saves = []
+    for kind, i in refs:
+        v = rec.inputs[i] if kind == "in" else rec.outputs[i]
+        if isinstance(v, Var):  # a literal lives in the program
+            saves.append(Saved(kind, i, tuple(v.shape), v.dtype, getattr(v, "sharding", None)))
+    return dataclasses.replace(rec, saves=tuple(saves))
 
 
 def share_operands(rec, free: AbstractSet[int]):
-    """``rec`` keeping its operands instead of values derived from them (bit-packed
-    masks) when every such operand is kept anyway: a literal, a value in ``free`` (the
-    function's inputs, which the caller holds, or a value another record saves). Packed
-    masks cost a bit per element; operands kept anyway cost nothing. Returns the record
-    unchanged otherwise."""
+    """``rec`` keeping its inputs instead of values derived from them (bit-packed masks)
+    when every such input is a literal or in ``free`` (values another record saves).
+    Packed masks cost a bit per element; operands kept anyway cost nothing. Returns the
+    record unchanged otherwise, and for a form reading an output (relu's mask).
+
+    Blind to the policy: a lossy one would hand backward rounded operands, and masks read
+    off them would be wrong. Only loop bodies use it; a function's own tape switches in
+    `_rebuild.rebuilt_records`, where the policy is known."""
     plain = keeping_operands(rec)
-    if plain is None or any(rec.inputs[s.index].id not in free for s in plain.saves):
+    if plain is None or any(
+        s.kind != "in" or rec.inputs[s.index].id not in free for s in plain.saves
+    ):
         return rec
     return plain

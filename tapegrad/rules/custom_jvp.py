@@ -33,11 +33,9 @@ of rules/control.py, which calls `jax.vjp` of the whole call in backward.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any
 
 import jax
@@ -49,7 +47,7 @@ from tapegrad._caches import BoundedCache, array_bytes
 from tapegrad.rules._bits import mask_aval, pack_mask, unpack_mask
 from tapegrad.rules._registry import Rule, defrule
 
-__all__ = ["ClosesOverTracer", "expand_custom_jvp", "custom_jvp_rule_p", "share_outputs"]
+__all__ = ["ClosesOverTracer", "expand_custom_jvp", "custom_jvp_rule_p"]
 
 Ref = tuple[str, int]
 
@@ -117,7 +115,7 @@ class Expansion:
     call_params: Any  # the custom_jvp_call's own params (bound when not in backward)
     # Per derived residual: (output j, comparison, literal) when it equals
     # ``comparison(outputs[j], literal)`` (relu's mask ``x > 0`` is ``relu(x) > 0``),
-    # else None. See `share_outputs`.
+    # else None. See `_plain`.
     from_output: tuple[Any, ...] = ()
 
     def __repr__(self) -> str:
@@ -380,35 +378,6 @@ def _same_literal(a, b) -> bool:
     return a.aval == b.aval and va.shape == vb.shape and bool(np.all(va == vb))
 
 
-def share_outputs(rec, saved_elsewhere: set[int]):
-    """``rec`` keeping an output another record saves anyway instead of a residual
-    derivable from it (relu's mask from relu's output): one value fewer kept.
-
-    ``saved_elsewhere`` holds the ids of values other records save. Returns the record
-    unchanged when nothing is shared."""
-    exp: Expansion = rec.params["rule"]
-    if not exp.from_output or not rec.saves:
-        return rec
-    shared: dict[int, int] = {}
-    for s in rec.saves:
-        alt = exp.from_output[s.index] if s.kind == "aux" else None
-        if alt is not None and rec.outputs[alt[0]].id in saved_elsewhere:
-            shared[s.index] = alt[0]
-    if not shared:
-        return rec
-    saves, seen = [], set()
-    for s in rec.saves:
-        if s.kind == "aux" and s.index in shared:
-            j = shared[s.index]
-            o = rec.outputs[j]
-            s = type(s)("out", j, tuple(o.shape), o.dtype)
-        if s.ref not in seen:
-            seen.add(s.ref)
-            saves.append(s)
-    params = dict(rec.params) | {"from_output": tuple(sorted(shared.items()))}
-    return dataclasses.replace(rec, saves=tuple(saves), params=MappingProxyType(params))
-
-
 def _needed(eqns: list, wanted: list) -> list:
     """The equations of ``eqns`` that ``wanted`` depends on, in order."""
     need = {v for v in wanted if not isinstance(v, compat.Literal)}
@@ -512,6 +481,22 @@ def _saves(p, ins, outs, active) -> tuple[Ref, ...]:
     return tuple(dict.fromkeys(exp.refs[k] for k in res))
 
 
+def _plain(p, ins, outs, active) -> tuple[Ref, ...] | None:
+    """What the record keeps when every derived residual it keeps is read off an output
+    (`Expansion.from_output`: relu's mask ``x > 0`` off ``relu(x)``); None when one is
+    not. Taken only where that output is kept anyway, unchanged (`keeping_operands`)."""
+    exp: Expansion = p["rule"]
+    refs = []
+    for kind, k in _saves(p, ins, outs, active):
+        if kind == "aux":
+            alt = exp.from_output[k] if k < len(exp.from_output) else None
+            if alt is None:
+                return None
+            kind, k = "out", alt[0]
+        refs.append((kind, k))
+    return tuple(dict.fromkeys(refs))
+
+
 def _is_mask(aval) -> bool:
     return np.dtype(aval.dtype) == np.bool_
 
@@ -550,8 +535,7 @@ def _vjp(p, r, cts, active):
     if not any(act):
         return out
     jaxpr, res_used, cts_used = _pruned(lin, act)
-    shared = dict(p.get("from_output", ()))
-    args = [_residual(r, exp, exp.refs[k], shared) for k in res_used]
+    args = [_residual(r, exp, exp.refs[k]) for k in res_used]
     for k in cts_used:
         j = lin.ct_of[k]
         g = cts[j]
@@ -566,13 +550,13 @@ def _vjp(p, r, cts, active):
     return out
 
 
-def _residual(r, exp: Expansion, ref: Ref, shared: dict[int, int]):
+def _residual(r, exp: Expansion, ref: Ref):
     kind, i = ref
     if kind == "in":
         return r.x[i]
     if kind == "out":
         return r.y[i]
-    if i in shared:  # derived again from the output kept in its place (`share_outputs`)
+    if i >= len(r.aux) or r.aux[i] is None:  # read off the output kept instead (`_plain`)
         j, compare, lit = exp.from_output[i]
         y = r.y[j]
         return compare.bind(y, jnp.asarray(lit, y.dtype))
@@ -588,5 +572,6 @@ defrule(
         derive=_derive,
         aux_avals=_aux_avals,
         kind="linearized",
+        plain=_plain,
     )
 )

@@ -398,11 +398,12 @@ def _relu_records(tape):
 
 
 def test_relu_records_keep_a_packed_mask():
-    """Each relu keeps its own mask, bit-packed (32 bools a row in 4 bytes), even where the
-    next matmul keeps relu's output: a mask read off that output would be wrong under a
-    lossy policy that rounds small positives to 0 (`_trace._SHARE_MASKS`)."""
+    """Each relu keeps its own mask, bit-packed (32 bools a row in 4 bytes), where the next
+    matmul keeps relu's output only as a rounded value (`compress(bits=2)`): a mask read
+    off that output would be wrong where small positives round to 0."""
     ws, x = _mlp_args(width=32, depth=4, batch=8)
-    tape = tg.trace(_relu_mlp, argnums=(0, 1))(ws, x)
+    policy = tg.policies.compress(bits=2, key=0)
+    tape = tg.trace(_relu_mlp, argnums=(0, 1), policy=policy)(ws, x)
     relus = _relu_records(tape)
     assert len(relus) == len(ws)
     assert not any(r.rule in ("custom_jvp", "fallback") for r in tape.records)
@@ -413,34 +414,25 @@ def test_relu_records_keep_a_packed_mask():
         ]
 
 
-def test_relu_can_read_its_mask_off_a_kept_output(monkeypatch):
-    """The sharing the tape builder can do for lossless use (off by default): the mask
-    (x > 0 == relu(x) > 0) read off relu's output when the next matmul keeps it."""
-    from tapegrad import _trace
-
-    monkeypatch.setattr(_trace, "_SHARE_MASKS", True)
-    tg.clear_caches()  # tapes built with the default are cached by structure
-    try:
-        ws, x = _mlp_args(width=32, depth=4, batch=8)
-        tape = tg.trace(_relu_mlp, argnums=(0, 1))(ws, x)
-        relus = _relu_records(tape)
-        for r in relus[:-1]:
-            assert [(s.kind, s.shape, s.dtype) for s in r.saves] == [
-                ("out", (8, 32), np.dtype("float32"))
-            ]
-            nxt = next(
-                q for q in tape.records if q.index > r.index and q.primitive == "dot_general"
-            )
-            assert r.outputs[0] in [nxt.inputs[s.index] for s in nxt.saves if s.kind == "in"]
-        # the last relu's output is only summed: nobody keeps it, its own mask is smaller
-        assert [(s.kind, s.shape, s.dtype) for s in relus[-1].saves] == [
-            ("aux", (8, 4), np.dtype(np.uint8))
+def test_relu_reads_its_mask_off_a_kept_output():
+    """Under save() the mask (x > 0 == relu(x) > 0) is read off relu's output where the
+    next matmul keeps that output anyway (`custom_jvp._plain`, `_rebuild.rebuilt_records`)."""
+    ws, x = _mlp_args(width=32, depth=4, batch=8)
+    tape = tg.trace(_relu_mlp, argnums=(0, 1))(ws, x)
+    relus = _relu_records(tape)
+    for r in relus[:-1]:
+        assert [(s.kind, s.shape, s.dtype) for s in r.saves] == [
+            ("out", (8, 32), np.dtype("float32"))
         ]
-        f = lambda ws, x: _relu_mlp(ws, x)  # noqa: E731
-        got = tg.grad(f, argnums=(0, 1))(ws, x)
-        chex.assert_trees_all_close(got, jax.grad(f, argnums=(0, 1))(ws, x), rtol=1e-5)
-    finally:
-        tg.clear_caches()
+        nxt = next(q for q in tape.records if q.index > r.index and q.primitive == "dot_general")
+        assert r.outputs[0] in [nxt.inputs[s.index] for s in nxt.saves if s.kind == "in"]
+    # the last relu's output is only summed: nobody keeps it, its own mask is smaller
+    assert [(s.kind, s.shape, s.dtype) for s in relus[-1].saves] == [
+        ("aux", (8, 4), np.dtype(np.uint8))
+    ]
+    f = lambda ws, x: _relu_mlp(ws, x)  # noqa: E731
+    out, vjp_fn = tg.vjp(f, ws, x)
+    chex.assert_trees_all_close(vjp_fn(1.0), jax.vjp(f, ws, x)[1](1.0), rtol=1e-5)
 
 
 def test_residuals_that_are_inputs_or_outputs_are_shared():
