@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from tapegrad import _jax_compat as compat
-from tapegrad._rebuild import RANDOM, rebuilt_records
+from tapegrad._rebuild import RANDOM, rebuilt_records, shared_in_body, switched
 from tapegrad._tape import Record, Segment, Tape, Var
 from tapegrad.policies._base import SAVE, is_exact, keeps_exact
 
@@ -208,6 +208,8 @@ def _plan_bodies(tape: Tape, policy: Any) -> Tape:
         return tape
     from tapegrad._loops import outer_saves
 
+    # masks read off values the body keeps anyway, where they come back unchanged
+    kept_exact = None if is_exact(policy) else functools.partial(keeps_exact, policy)
     segment = getattr(policy, "loop_segment", None)  # an int, or a `LoopPlan`
     schedule = getattr(policy, "loop_schedule", None)  # nested: segment lengths by level
     revolve = getattr(policy, "loop_snapshots", None)  # binomial: snapshots held
@@ -216,7 +218,7 @@ def _plan_bodies(tape: Tape, policy: Any) -> Tape:
         if rec.bodies and rec.rule != "none":
             bodies = tuple(
                 plan_recompute(b, policy, decide_records(b, policy, whole=False))
-                for b in rec.bodies
+                for b in (shared_in_body(b, kept_exact) for b in rec.bodies)
             )
             snaps = int(revolve(rec)) if revolve is not None else 0
             if schedule is not None:
@@ -305,8 +307,7 @@ def _decide(
         for i in rebuilt:
             fixed[i] = "recompute"
         if plain:
-            records = tuple(plain.get(r.index, r) for r in tape.records)
-            tape = dataclasses.replace(tape, records=records)
+            tape = switched(tape, plain)
     if plan is not None:
         return plan(tape, fixed), rebuilt, tape
     return [f if f is not None else "save" for f in fixed], rebuilt, tape

@@ -8,14 +8,16 @@ executor re-runs it in backward like any recompute segment."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import weakref
 from collections.abc import Callable, Sequence
 
 from tapegrad._tape import Record, Saved, Tape, Var
 from tapegrad.policies._base import ResidualInfo
 from tapegrad.rules._registry import keeping_operands
 
-__all__ = ["RANDOM", "rebuilt_records"]
+__all__ = ["RANDOM", "rebuilt_records", "shared_in_body", "switched"]
 
 
 # Exact, cheap ops (elementwise arithmetic, casts, bit ops, comparisons, layout):
@@ -215,6 +217,54 @@ def _rebuilt_once(
                 if isinstance(u, Var) and u.id in producer and producer[u.id].index in rebuilt:
                     stack.append(producer[u.id].index)
     return needed, plain, saved
+
+
+def shared_in_body(body: Tape, kept_exact: Callable[[ResidualInfo], bool] | None) -> Tape:
+    """A loop body whose records keep the values their masks are read off instead of
+    the masks (`keeping_operands`: max's operands, relu's output) where another record of
+    the body saves those values anyway and the policy hands them back unchanged
+    (``kept_exact``; None: every kept value is, as under `save()`). A body is not
+    planned whole (`_checkpoint._plan_bodies`), so this is its part of
+    `rebuilt_records`' switch; its values are per-step, kept only by its records."""
+    holders: dict[int, set[int]] = {}
+    for r in body.records:
+        for s in r.saves:
+            if s.kind != "aux":
+                v = r.inputs[s.index] if s.kind == "in" else r.outputs[s.index]
+                if isinstance(v, Var):
+                    holders.setdefault(v.id, set()).add(r.index)
+
+    def kept(alt: Record, s: Saved) -> bool:
+        v = (alt.inputs if s.kind == "in" else alt.outputs)[s.index]
+        if not isinstance(v, Var) or not holders.get(v.id, set()) - {alt.index}:
+            return False  # nobody else keeps it: the masks cost less
+        info = ResidualInfo(alt, s, v.shape, v.dtype, False)
+        return kept_exact is None or kept_exact(info)
+
+    alts: dict[int, Record] = {}
+    for r in body.records:
+        if r.rule in ("rule", "linearized") and r.saves:
+            alt = keeping_operands(r)
+            if alt is not None and all(kept(alt, s) for s in alt.saves):
+                alts[r.index] = alt
+    return switched(body, alts) if alts else body
+
+
+# Tapes with records switched to their plain forms, by source tape and switch: each
+# eager call of a function traces the same (cached) tape and switches the same records,
+# and gets the very same records back, their fused keys memoised with them.
+_SWITCHED: weakref.WeakKeyDictionary[Tape, dict[tuple, Tape]] = weakref.WeakKeyDictionary()
+
+
+def switched(tape: Tape, plain: dict[int, Record]) -> Tape:
+    """``tape`` with the records in ``plain`` (by index) in their place, memoised."""
+    memo = _SWITCHED.setdefault(tape, {})
+    key = tuple(sorted((i, r.saves) for i, r in plain.items()))
+    got = memo.get(key)
+    if got is None:
+        records = tuple(plain.get(r.index, r) for r in tape.records)
+        got = memo[key] = dataclasses.replace(tape, records=records)
+    return got
 
 
 def _worth_rebuilding(draw: Record, readers: dict[int, list[Record]], saved: set[int]) -> bool:

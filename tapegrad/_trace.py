@@ -31,7 +31,6 @@ from tapegrad._record import is_concrete, record_jaxpr
 from tapegrad._tape import Lit, Record, Region, Saved, Tape, Var, as_dtype
 from tapegrad.errors import ReverseModeError
 from tapegrad.rules import FALLBACK, NONDIFF, WHILE_ERROR, lookup
-from tapegrad.rules._registry import share_operands
 from tapegrad.rules.custom_jvp import ClosesOverTracer, expand_custom_jvp
 
 __all__ = ["trace_flat", "is_differentiable_dtype"]
@@ -561,14 +560,13 @@ def _build(
             )
         )
 
-    # The function's own tape is planned with its policy, which switches a record from
-    # its masks to values kept anyway only where it keeps them unchanged
-    # (`_rebuild.rebuilt_records`): a mask read off a rounded operand would be wrong. A
-    # loop body is not planned so: it shares here, whatever the policy (so under
-    # `compress` a body's max/min/clamp may still read masks off a rounded operand).
+    # Records keep their masks here. Planning with the policy switches a record to the
+    # value its masks are read off where that value is kept anyway and comes back
+    # unchanged (`_rebuild.rebuilt_records`; in a loop body `_rebuild.shared_in_body`): a
+    # mask read off a rounded operand would be wrong.
     tape = Tape(
         inputs=tuple(in_vars),
-        records=tuple(records if top else _share_operands(records)),
+        records=tuple(records),
         outputs=tuple(outs),
         consts=tuple(b.consts),
         active_inputs=tuple(bool(a) for a in active_inputs),
@@ -577,31 +575,6 @@ def _build(
         regions=tuple(b.regions),
     )
     return tape, b.top_lits
-
-
-def _share_operands(records: list[Record]) -> list[Record]:
-    """Let a record of a loop body that keeps packed masks keep its inputs instead when
-    another record of the body saves them (its inputs are per-step values, which nobody
-    holds for it)."""
-    if not any(r.saves and r.rule == "rule" for r in records):
-        return records
-    holders: dict[int, set[int]] = {}
-    for r in records:
-        for s in r.saves:
-            if s.kind == "aux":
-                continue
-            v = r.inputs[s.index] if s.kind == "in" else r.outputs[s.index]
-            if type(v) is Var:
-                holders.setdefault(v.id, set()).add(r.index)
-    out = []
-    for r in records:
-        if r.rule == "rule" and r.saves:
-            kept = {
-                i.id for i in r.inputs if type(i) is Var and holders.get(i.id, set()) - {r.index}
-            }
-            r = share_operands(r, kept)
-        out.append(r)
-    return out
 
 
 # ----------------------------------------------------------- loops and branches

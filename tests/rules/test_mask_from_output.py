@@ -269,3 +269,42 @@ def test_a_mask_is_never_read_off_a_rounded_operand(op):
     _equal(_vjp_grad(f, argnums=(0,), policy=policy)(x)[0], want)
     _equal(tg.grad(f, policy=policy)(x), want)
     _equal(jax.jit(tg.grad(f, policy=policy))(x), jax.jit(jax.grad(f))(x))
+
+
+@pytest.mark.parametrize("op", ["max", "clamp", "relu"])
+def test_a_loop_body_never_reads_a_mask_off_a_rounded_value(op):
+    """Inside a scan body as at the top: the body's records keep their masks under a
+    policy that rounds the value they would read them off (compress(bits=2)), and
+    switch to that value under save(), where it comes back unchanged."""
+    clip = {
+        "max": lambda h: jnp.maximum(h, 0.0),
+        "clamp": lambda h: jax.lax.clamp(-0.5, h, 0.5),
+        "relu": jax.nn.relu,
+    }
+
+    def f(xs):
+        def step(c, x):
+            h = 2.0 * x  # keeps nothing: the gradient is exact when the masks are
+            y = clip[op](h)
+            # sin(h) keeps h, the matmul keeps y (relu's output): both rounded under
+            # compress, and neither gets a cotangent
+            return c + jnp.sum(y * 3.0), 0.0 * (jnp.sum(jnp.sin(h)) + jnp.sum(y @ y.T))
+
+        c, zs = jax.lax.scan(step, 0.0, xs)
+        return c + jnp.sum(zs)
+
+    xs = jax.random.normal(jax.random.key(3), (4, 16, 64))
+    policy = tg.policies.compress(bits=2, key=jax.random.key(5))
+    prim = "custom_jvp_rule" if op == "relu" else op
+
+    def body_saves(tape):
+        (loop,) = [r for r in tape.records if r.bodies]
+        (rec,) = [r for r in loop.bodies[0].records if r.primitive == prim]
+        return [s.kind for s in rec.saves]
+
+    assert set(body_saves(tg.trace(f, policy=policy)(xs))) == {"aux"}
+    assert "aux" not in body_saves(tg.trace(f)(xs))  # save(): off the kept value
+    want = jax.grad(f)(xs)
+    _equal(tg.grad(f, policy=policy)(xs), want)
+    _equal(jax.jit(tg.grad(f, policy=policy))(xs), jax.jit(jax.grad(f))(xs))
+    _equal(tg.grad(f)(xs), want)
