@@ -92,21 +92,25 @@ __all__ = ["Model", "Solution", "build", "solve", "plan_candidate", "MAX_RECORDS
 
 MAX_RECORDS = 300
 TIME_LIMIT_S = 2.0
+WINDOW: int | None = None
 
 
 @dataclasses.dataclass
 class Model:
     """The relaxation's columns (``x`` per record, then ``y`` per (key, mechanism), then
-    ``π`` per pair), objective, bounds, logic rows and byte rows (one per point)."""
+    ``z`` per (record, point of its run window), then ``h`` per (kept value, point)),
+    objective, bounds, logic rows and byte rows (one per point)."""
 
     n: int
     keys: list  # candidate kept values (residual keys)
     producer: np.ndarray  # record producing each key
     opts: joint.Options  # per key: stored / copy bytes and seconds per mechanism
     ycols: list  # (key index, mechanism column) of each y
-    pairs: list  # (record q, key index of u, bytes coefficient per mechanism, C)
+    window: dict  # record -> (first z point s, its need F, column of z[i, s])
+    holds: list  # per h: (column, key index, point, ((reader q, z column), ...))
+    order: list  # the record backward runs at each point 1..T-1
     cost: np.ndarray  # seconds per column
-    upper: np.ndarray  # per column (π: its largest useful value)
+    upper: np.ndarray  # per column
     integer: np.ndarray  # per column
     rows: list  # (columns, coefficients, lower, upper)
     mem: np.ndarray  # (points, columns) bytes per unit of each column
@@ -120,16 +124,30 @@ class Model:
         """The column values of an executor plan: ``tape`` planned (segments built),
         ``choice`` its kept keys' mechanism columns (`_planner_joint.COLUMNS`)."""
         z = np.zeros(self.columns)
+        kept, seg_of = tape.residual_keys()
+        run: dict[int, int] = {}  # segment -> the point it runs at (`timeline`'s rule)
+        for t, i in enumerate(self.order, 1):
+            rec = tape.records[i]
+            for s in rec.saves:
+                key = rec.residual_key(s)
+                if key not in kept and key in seg_of:
+                    run.setdefault(seg_of[key], t)
+        never = 1 << 30
+        ran = {i: run.get(seg.id, never) for seg in tape.segments for i in seg.records}
         for seg in tape.segments:
             z[list(seg.records)] = 1.0
+        for i, (s, need, col) in self.window.items():
+            for t in range(s, need):
+                z[col + t - s] = float(ran.get(i, never) <= t)
         col = {kc: self.n + j for j, kc in enumerate(self.ycols)}
+        stored = np.zeros(len(self.keys))
         for k, key in enumerate(self.keys):
             if key in choice:
                 z[col[(k, choice[key])]] = 1.0
-        y0 = self.n + len(self.ycols)
-        for j, (q, u, coef, big) in enumerate(self.pairs):
-            held = sum(coef[m] * z[col[(u, m)]] for m in range(len(coef)) if (u, m) in col)
-            z[y0 + j] = max(0.0, held - big * (1.0 - z[q]))
+                stored[k] = self.opts.stored[k, choice[key]]
+        for hcol, k, _, qs in self.holds:
+            big = self.opts.stored[k].max()
+            z[hcol] = max([0.0] + [stored[k] + big * (z[q] - z[c] - 1.0) for q, c in qs])
         return z
 
     def check(self, z: np.ndarray, tol: float = 1e-6) -> tuple[bool, float, int]:
@@ -148,9 +166,11 @@ def build(
     mechanisms: tuple[str, ...],
     costs: CostModel,
     prefetch: int = 0,
+    window: int | None = WINDOW,
 ) -> Model | None:
     """The relaxation for ``tape`` at ``budget``; None on tapes with checkpoint regions
-    or loop/branch records (outside the argument above)."""
+    or loop/branch records (outside the argument above). ``window``: how many points
+    before its need a record's run is modelled (None: all)."""
     from tapegrad.policies.budget import _keep_effects
 
     recs = tape.records
@@ -198,32 +218,46 @@ def build(
     opts = joint.options(tl, mechanisms, costs)  # type: ignore[arg-type]
     kprod = np.array([prod(k) for k in keys], np.int64)
     ycols = [(k, m) for k in range(K) for m in range(opts.valid.shape[1]) if opts.valid[k, m]]
-
-    # pairs: each kept-candidate u at most once, each record q at most once
-    pairs: list[tuple[int, int, np.ndarray, float, int, int]] = []
-    used_q: set[int] = set()
-    cands = []
-    for uid, qs in readers.items():
-        lu = last.get(uid, 0)
-        for q in qs:
-            for o in recs[q].outputs:
-                fw = first.get(o.id)
-                if fw is not None and fw - 1 > lu:
-                    gain = min(int(full[kidx[uid]]), device_nbytes(o)) * (fw - 1 - lu)
-                    cands.append((gain, uid, q, o))
-    seen_u: set[int] = set()
-    for gain, uid, q, o in sorted(cands, key=lambda c: -c[0]):
-        if gain <= 0 or uid in seen_u or q in used_q:
-            continue
-        seen_u.add(uid)
-        used_q.add(q)
-        ku = kidx[uid]
-        coef = np.minimum(opts.stored[ku], device_nbytes(o)).astype(np.float64)
-        coef[~opts.valid[ku]] = 0.0
-        pairs.append((q, ku, coef, float(coef.max()), last.get(uid, 0), first[o.id]))
-
     ny = len(ycols)
-    ncol = n + ny + len(pairs)
+
+    # need[i]: the latest point record i, if re-run, has run by: the first use of one
+    # of its residuals, or (none) the latest need of the re-run records reading it
+    need = np.zeros(n, np.int64)
+    for key, f in first.items():
+        p = prod(key)
+        need[p] = f if need[p] == 0 else min(need[p], f)
+    for i in reversed(range(n)):
+        if can_rerun[i] and need[i] == 0:
+            rd = [need[q] for o in recs[i].outputs for q in readers.get(o.id, [])]
+            need[i] = max(rd, default=0)
+    win: dict[int, tuple[int, int, int]] = {}
+    col = n + ny
+    for i in range(n):
+        if can_rerun[i] and need[i] > 1:
+            start = 1 if window is None else max(1, int(need[i]) - window)
+            win[i] = (start, int(need[i]), col)
+            col += int(need[i]) - start
+
+    def z_col(i: int, t: int) -> int | None:
+        """The column for "re-run record ``i`` has run by point ``t``" (``x[i]`` from
+        its need on; None before its window, where it is not modelled)."""
+        if i not in win or t >= win[i][1]:
+            return i
+        s, _, c = win[i]
+        return c + t - s if t >= s else None
+
+    # h[u, t]: bytes of kept u still held at t (past its last residual use) because a
+    # re-run reader has not run yet
+    holds: list[tuple[int, int, int, tuple[tuple[int, int], ...]]] = []
+    for uid, qs in readers.items():
+        ku = kidx[uid]
+        qs = [q for q in qs if q in win]
+        for t in range(last.get(uid, 0) + 1, max([win[q][1] for q in qs], default=0)):
+            # before q's window: "q has not run by t" needs "not by its first point"
+            zq = tuple((q, z_col(q, max(t, win[q][0]))) for q in qs if t < win[q][1])
+            holds.append((col, ku, t, zq))  # type: ignore[arg-type]
+            col += 1
+    ncol = col
     cost = np.zeros(ncol)
     flops = [_flops(r) for r in recs]
     cost[:n] = np.array(flops) / costs.flops_per_s
@@ -232,8 +266,10 @@ def build(
     upper = np.ones(ncol)
     upper[:n] = can_rerun.astype(float)
     integer = np.zeros(ncol, bool)
-    integer[: n + ny] = True
-    upper[n + ny :] = [big for _, _, _, big, _, _ in pairs]
+    integer[:ncol] = True
+    for hcol, k, _, _ in holds:
+        upper[hcol] = float(opts.stored[k].max())
+        integer[hcol] = False
     ycol_of: list[list[int]] = [[] for _ in range(K)]
     for j, (k, _) in enumerate(ycols):
         ycol_of[k].append(n + j)
@@ -241,23 +277,45 @@ def build(
             upper[n + j] = 0.0  # a binding recompute keeps none of its values
 
     rows: list[tuple[np.ndarray, np.ndarray, float, float]] = []
+
+    def row(cols: list, coef: list, lo: float, hi: float) -> None:
+        merged: dict[int, float] = {}
+        for c, a in zip(cols, coef):
+            merged[c] = merged.get(c, 0.0) + a
+        rows.append((np.array(list(merged), np.int64), np.array(list(merged.values())), lo, hi))
+
     for k, key in enumerate(keys):
         ys = ycol_of[k]
         p = int(kprod[k])
-        cols = np.array(ys + [p], np.int64)
-        ones = np.ones(len(cols))
         if key in first:
-            rows.append((cols, ones, 1.0, 1.0))
+            row(ys + [p], [1.0] * (len(ys) + 1), 1.0, 1.0)
         else:
-            rows.append((cols, ones, 0.0, 1.0))
+            row(ys + [p], [1.0] * (len(ys) + 1), 0.0, 1.0)
             for q in readers.get(key, []):
-                rows.append((np.append(cols, q), np.append(ones, -1.0), 0.0, np.inf))
-    y0 = n + ny
-    for j, (q, ku, coef, big, _, _) in enumerate(pairs):
-        ys = ycol_of[ku]
-        cs = np.array([y0 + j, q] + ys, np.int64)
-        co = np.array([1.0, -big] + [-coef[ycols[c - n][1]] for c in ys])
-        rows.append((cs, co, -big, np.inf))
+                row(ys + [p, q], [1.0] * (len(ys) + 1) + [-1.0], 0.0, np.inf)
+    # runs: monotone, by the need, and a segment's records (adjacent re-run records)
+    # run at the same point
+    for i, (start, f, c) in win.items():
+        for t in range(start, f):
+            row([c + t - start, z_col(i, t + 1)], [1.0, -1.0], -np.inf, 0.0)  # type: ignore[list-item]
+    for i in win:
+        for o in recs[i].outputs:
+            for q in readers.get(o.id, []):
+                if q not in win:
+                    continue
+                lo = max(win[i][0], win[q][0])
+                for t in range(lo, max(win[i][1], win[q][1])):
+                    a, b = z_col(i, t), z_col(q, t)
+                    if a is None or b is None or (a == i and b == q):
+                        continue
+                    row([a, b, i, q], [1.0, -1.0, 1.0, 1.0], -np.inf, 2.0)
+                    row([b, a, i, q], [1.0, -1.0, 1.0, 1.0], -np.inf, 2.0)
+    for hcol, k, _, zq in holds:
+        big = float(opts.stored[k].max())
+        ys = ycol_of[k]
+        co = [-float(opts.stored[k, ycols[c - n][1]]) for c in ys]
+        for q, c in zq:
+            row([hcol, q, c] + ys, [1.0, -big, big] + co, -big, np.inf)
 
     mem = np.zeros((T, ncol))
     for j, (k, m) in enumerate(ycols):
@@ -269,23 +327,16 @@ def build(
             mem[uv : lv + 1, n + j] += opts.copied[k, m]
     for k, key in enumerate(keys):
         if key in first and not isinstance(key, tuple):
-            mem[first[key] : last[key] + 1, kprod[k]] += full[k]
-    for j, (_, _, _, _, lu, fw) in enumerate(pairs):
-        mem[lu + 1 : fw, y0 + j] += 1.0
+            p = int(kprod[k])
+            mem[first[key] : last[key] + 1, p] += full[k]
+            for t in range(win[p][0] if p in win else first[key], first[key]):
+                mem[t, z_col(p, t)] += full[k]  # from its run on
+    for hcol, _, t, _ in holds:
+        mem[t, hcol] += 1.0
     return Model(
-        n,
-        keys,
-        kprod,
-        opts,
-        ycols,
-        [(q, u, coef, big) for q, u, coef, big, _, _ in pairs],
-        cost,
-        upper,
-        integer,
-        rows,
-        mem,
+        n, keys, kprod, opts, ycols, win, holds, order, cost, upper, integer, rows, mem,
         int(budget),
-    )
+    )  # fmt: skip
 
 
 def _flops(rec: Any) -> float:
@@ -364,7 +415,7 @@ def solve(model: Model, time_limit: float = TIME_LIMIT_S) -> Solution:
         if z[model.n + j] > 0.5:
             mech[model.keys[k]] = joint.COLUMNS[m]
     ni = model.n + len(model.ycols)
-    secs = float(model.cost[:ni] @ np.round(z[:ni]))  # π costs nothing
+    secs = float(model.cost[:ni] @ np.round(z[:ni]))  # z and h cost nothing
     return Solution(name, bound, secs, dec, mech, time.perf_counter() - t0)
 
 

@@ -205,7 +205,7 @@ def test_the_relaxation_rejects_what_the_executor_cannot_do():
     bad = z.copy()
     bad[2] = 1.0  # a binding save re-run
     assert not model.check(bad)[0]
-    assert model.pairs
+    assert model.window and model.holds
     planned = Scorer(tape, fixed, 0).planned(("save",) * n)
     save_all = model.at_plan(planned, {k: 0 for k in joint.timeline(planned).keys})
     assert model.check(save_all)[0]
