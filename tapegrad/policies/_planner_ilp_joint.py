@@ -92,7 +92,7 @@ __all__ = ["Model", "Solution", "build", "solve", "plan_candidate", "MAX_RECORDS
 
 MAX_RECORDS = 300
 TIME_LIMIT_S = 2.0
-WINDOW: int | None = None
+WINDOW: int | None = 8
 
 
 @dataclasses.dataclass
@@ -107,13 +107,15 @@ class Model:
     opts: joint.Options  # per key: stored / copy bytes and seconds per mechanism
     ycols: list  # (key index, mechanism column) of each y
     window: dict  # record -> (first z point s, its need F, column of z[i, s])
-    holds: list  # per h: (column, key index, point, ((reader q, z column), ...))
+    holds: list  # per h: (column, key index, points, ((reader q, z column), ...))
     order: list  # the record backward runs at each point 1..T-1
     cost: np.ndarray  # seconds per column
     upper: np.ndarray  # per column
     integer: np.ndarray  # per column
     rows: list  # (columns, coefficients, lower, upper)
     mem: np.ndarray  # (points, columns) bytes per unit of each column
+    base: np.ndarray  # (points, columns): what a segment run at t finds held from t - 1
+    runs: list  # (point t, columns, coefficients): bytes at a run at t (b[t] = base[t])
     budget: int
 
     @property
@@ -148,7 +150,14 @@ class Model:
         for hcol, k, _, qs in self.holds:
             big = self.opts.stored[k].max()
             z[hcol] = max([0.0] + [stored[k] + big * (z[q] - z[c] - 1.0) for q, c in qs])
+        b0 = self.columns - len(self.base) + 1
+        z[b0:] = self.base[1:] @ z
         return z
+
+    def peaks(self, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Modelled bytes at columns ``z``: at each point, and at each run row."""
+        runs = [float(np.dot(co, z[cols])) for _, cols, co in self.runs]
+        return self.mem @ z, np.array(runs)
 
     def check(self, z: np.ndarray, tol: float = 1e-6) -> tuple[bool, float, int]:
         """(logic rows and bounds hold, seconds, modelled peak bytes) at columns ``z``."""
@@ -156,7 +165,8 @@ class Model:
         for cols, coef, lo, hi in self.rows:
             v = float(np.dot(coef, z[cols]))
             ok = ok and lo - tol <= v <= hi + tol
-        return ok, float(self.cost @ z), int(np.round((self.mem @ z).max()))
+        points, runs = self.peaks(z)
+        return ok, float(self.cost @ z), int(np.round(max(points.max(), runs.max(initial=0))))
 
 
 def build(
@@ -248,16 +258,26 @@ def build(
 
     # h[u, t]: bytes of kept u still held at t (past its last residual use) because a
     # re-run reader has not run yet
-    holds: list[tuple[int, int, int, tuple[tuple[int, int], ...]]] = []
+    holds: list[tuple[int, int, range, tuple]] = []
     for uid, qs in readers.items():
         ku = kidx[uid]
         qs = [q for q in qs if q in win]
-        for t in range(last.get(uid, 0) + 1, max([win[q][1] for q in qs], default=0)):
-            # before q's window: "q has not run by t" needs "not by its first point"
+        lu = last.get(uid, 0)
+        span: list[
+            tuple[list[int], tuple]
+        ] = []  # (points, their rows): points before the readers' windows share rows
+        for t in range(lu + 1, max([win[q][1] for q in qs], default=0)):
+            # before q's window: "q has not run by t" needs "not by its window's start"
             zq = tuple((q, z_col(q, max(t, win[q][0]))) for q in qs if t < win[q][1])
-            holds.append((col, ku, t, zq))  # type: ignore[arg-type]
+            if span and span[-1][1] == zq:
+                span[-1][0].append(t)
+            else:
+                span.append(([t], zq))
+        for pts, zq in span:
+            holds.append((col, ku, range(pts[0], pts[-1] + 1), zq))
             col += 1
-    ncol = col
+    b0 = col - 1  # b[t], t = 1..T-1: bytes a segment run at t finds held (base[t])
+    ncol = col + T - 1
     cost = np.zeros(ncol)
     flops = [_flops(r) for r in recs]
     cost[:n] = np.array(flops) / costs.flops_per_s
@@ -270,6 +290,8 @@ def build(
     for hcol, k, _, _ in holds:
         upper[hcol] = float(opts.stored[k].max())
         integer[hcol] = False
+    upper[b0 + 1 :] = np.inf
+    integer[b0 + 1 :] = False
     ycol_of: list[list[int]] = [[] for _ in range(K)]
     for j, (k, _) in enumerate(ycols):
         ycol_of[k].append(n + j)
@@ -314,8 +336,8 @@ def build(
         big = float(opts.stored[k].max())
         ys = ycol_of[k]
         co = [-float(opts.stored[k, ycols[c - n][1]]) for c in ys]
-        for q, c in zq:
-            row([hcol, q, c] + ys, [1.0, -big, big] + co, -big, np.inf)
+        for q, zc in zq:
+            row([hcol, q, zc] + ys, [1.0, -big, big] + co, -big, np.inf)
 
     mem = np.zeros((T, ncol))
     for j, (k, m) in enumerate(ycols):
@@ -331,11 +353,73 @@ def build(
             mem[first[key] : last[key] + 1, p] += full[k]
             for t in range(win[p][0] if p in win else first[key], first[key]):
                 mem[t, z_col(p, t)] += full[k]  # from its run on
-    for hcol, _, t, _ in holds:
-        mem[t, hcol] += 1.0
+    for hcol, _, span_t, _ in holds:
+        mem[span_t.start : span_t.stop, hcol] += 1.0
+
+    # Segment runs. base[t]: what any run at t finds held, every value by itself: kept
+    # values used at t or later (their copies made by t - 1), outputs of runs by t - 1
+    # still to be used.
+    base = np.zeros((T, ncol))
+    kterm: list[dict[int, np.ndarray]] = [{} for _ in range(K)]  # key -> its base terms
+    for j, (k, m) in enumerate(ycols):
+        key = keys[k]
+        lv = last.get(key, 0)
+        vec = np.zeros(T)
+        vec[1 : lv + 1] = opts.stored[k, m]
+        if key in first:
+            vec[max(2, first[key] - prefetch + 1) : lv + 1] += opts.copied[k, m]
+        kterm[k][n + j] = vec
+    for k, key in enumerate(keys):
+        if key in first and not isinstance(key, tuple):
+            p = int(kprod[k])
+            for t in range(1, last[key] + 1):
+                zc = z_col(p, t - 1)
+                if zc is not None and t >= 2:
+                    kterm[k].setdefault(zc, np.zeros(T))[t] += full[k]
+    for k in range(K):
+        for zc, vec in kterm[k].items():
+            base[:, zc] += vec
+    for t in range(1, T):
+        nz = np.nonzero(base[t])[0]
+        row([b0 + t] + nz.tolist(), [1.0] + (-base[t, nz]).tolist(), 0.0, 0.0)
+
+    # One row per (t, q): if q's segment runs at t, at q's step of it: base[t] less q's
+    # inputs, plus q's inputs and outputs (full bytes: a kept input is unpacked then) and
+    # the residuals its re-run parents produced before (kept to the segment's end).
+    # A record's switch Δ[q, t] = z[q, t] - z[q, t - 1] (known only inside its window).
+    def switch(i: int, t: int) -> list[tuple[int, float]]:
+        a, b = z_col(i, t), (z_col(i, t - 1) if t >= 2 else -1)
+        if a is None or b is None or a == b:
+            return []
+        return [(a, 1.0)] + ([(b, -1.0)] if b >= 0 else [])
+
+    runs = []
+    for q in win:
+        ins = {v.id for v in recs[q].inputs if isinstance(v, Var) and v.id in kidx}
+        own = sum(device_nbytes(o) for o in recs[q].outputs) + sum(int(full[kidx[v]]) for v in ins)
+        parents = {
+            producer[v]: [o for o in recs[producer[v]].outputs if o.id in first and o.id not in ins]
+            for v in ins
+            if producer[v] in win
+        }
+        for t in range(1, T):
+            dq = switch(q, t)
+            if not dq:
+                continue
+            terms: dict[int, float] = {b0 + t: 1.0}
+            for vid in ins:
+                for zc, vec in kterm[kidx[vid]].items():
+                    terms[zc] = terms.get(zc, 0.0) - vec[t]
+            for zc, sign in dq:
+                terms[zc] = terms.get(zc, 0.0) + sign * own
+            for p, ws in parents.items():
+                for zc, sign in switch(p, t):
+                    terms[zc] = terms.get(zc, 0.0) + sign * sum(device_nbytes(w) for w in ws)
+            cols = np.array([zc for zc, a in terms.items() if a != 0.0], np.int64)
+            runs.append((t, cols, np.array([terms[zc] for zc in cols])))
     return Model(
         n, keys, kprod, opts, ycols, win, holds, order, cost, upper, integer, rows, mem,
-        int(budget),
+        base, runs, int(budget),
     )  # fmt: skip
 
 
@@ -387,10 +471,12 @@ def solve(model: Model, time_limit: float = TIME_LIMIT_S) -> Solution:
             float(lo), inf if np.isinf(hi) else float(hi), len(cols), cols.astype(np.int32), coef
         )
     # points whose bytes cannot exceed the budget under any choice need no row
-    worst = np.maximum(model.mem * model.upper, 0).sum(axis=1)
+    worst = np.maximum(model.mem * np.where(np.isinf(model.upper), 0, model.upper), 0).sum(axis=1)
     for t in np.nonzero(worst > model.budget)[0]:
         nz = np.nonzero(model.mem[t])[0]
         h.addRow(-inf, float(model.budget), len(nz), nz.astype(np.int32), model.mem[t, nz])
+    for _, cols, coef in model.runs:
+        h.addRow(-inf, float(model.budget), len(cols), cols.astype(np.int32), coef)
     h.run()
     status = h.getModelStatus()
     info = h.getInfo()
