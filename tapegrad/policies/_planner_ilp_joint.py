@@ -9,69 +9,84 @@ candidate for `Budget` (`plan_candidate`).
 The executor's segments (`_checkpoint.build_segments`: connected components of the
 re-run records, each re-run once at backward's first need of any of its values) are
 not linear in the decisions. This model is a relaxation of them, over the points
-``0`` (the end of forward) and ``1..T`` (backward running each active record, in
+``0`` (the end of forward) and ``1..T-1`` (backward running each active record, in
 backward order; `_planner_joint.timeline`'s record points):
 
 * ``x[i]`` in {0, 1}: record ``i`` is re-run in backward (0 for a binding "save" and
   for records with side effects, which `budget._keep_effects` fixes to "save");
 * ``y[v, m]`` in {0, 1}: value ``v`` (a residual key, or an input of a record that may
-  be re-run) is kept from forward with mechanism ``m``;
-* a residual (a key some active record saves) is kept or its producer re-run:
-  ``Σ_m y[v, m] + x[p(v)] = 1`` (an aux value likewise, with its record); a value a
-  re-run record ``q`` reads is kept or produced by a re-run record:
+  be re-run) is kept from forward with mechanism ``m``; a residual is kept or its
+  producer re-run: ``Σ_m y[v, m] + x[p(v)] = 1`` (an aux value likewise, with its
+  record); a value a re-run record ``q`` reads is kept or produced by a re-run record:
   ``Σ_m y[v, m] + x[p(v)] ≥ x[q]`` (at most one of the two); a binding "recompute"
   record keeps none of its values;
+* ``z[i, t]`` in {0, 1}: record ``i``, if re-run, has run by point ``t``. Its need
+  ``F_i``: the first use of one of its residuals (outputs some record saves, aux
+  values), or, for a record with none, the latest need of the re-run records reading
+  it. ``z[i, t] = x[i]`` from ``F_i`` on (no column); columns for the ``WINDOW`` points
+  before; earlier, not modelled. Rows: ``z[i, t] ≤ z[i, t + 1]``; for ``j`` reading
+  ``i``'s output, ``|z[i, t] − z[j, t]| ≤ 2 − x[i] − x[j]``;
+* ``h[u, t] ≥ Σ_m stored[u, m]·y[u, m] − S_u·(1 − x[q] + z[q, t'])`` (bytes; ``S_u``
+  its most stored bytes) for each ``q`` that may re-run reading ``u``, ``t < F_q``,
+  ``t' = max(t, q's first column)``: ``u`` kept for ``q``'s run, past ``L_u``;
 * cost: ``Σ x[i]·flops_i / flops_per_s + Σ y[v, m]·seconds[v, m]``;
 * bytes at point ``t``: a kept value, ``stored[v, m]`` over ``[0, L_v]`` and
   ``copy[v, m]`` over ``[U_v, L_v]`` (``L_v``: its last residual use, 0 when it has
-  none; ``U_v``: its first residual use, ``prefetch`` records earlier); a residual of a
-  re-run record, its bytes over ``[F_v, L_v]`` (first to last use); plus, per pair
-  (``u`` kept, read by re-run ``q``, which produces a residual ``w``), a variable
-  ``π ≥ Σ_m min(stored[u, m], bytes_w)·y[u, m] − C·(1 − x[q])`` over the points
-  ``(L_u, F_w)``; every point ``≤ budget``.
+  none; ``U_v``: its first residual use, ``prefetch`` records earlier); a residual
+  ``w`` of ``p``, ``full_w·z[p, t]`` up to ``L_w``; ``h[u, t]`` past ``L_u``;
+* bytes at a run at ``t``, per ``q`` whose ``Δ[q, t] = z[q, t] − z[q, t − 1]`` is
+  modelled: ``base[t]`` (the kept values' stored bytes to ``L_v ≥ t``, their copies
+  from ``U_v ≤ t − 1``, residuals ``full_w·z[p, t − 1]`` to ``L_w ≥ t``) less the
+  terms of ``q``'s inputs, ``+ Δ[q, t]·(bytes of q's outputs and inputs)`` ``+
+  Σ Δ[p, t]·(p's residuals)`` over ``q``'s parents ``p`` (those not ``q``'s inputs);
+  every point and run row ``≤ budget``.
 
 Why every plan the executor runs is feasible here, at the same cost and no more bytes
 (tapes without checkpoint regions or loop records: `build` returns None on others):
 set ``x`` = the records of its segments, ``y`` = its kept keys (`Tape.residual_keys`)
-with their mechanisms, ``π`` at its lower limit.
+with their mechanisms, ``z[i, t]`` = [``i``'s segment has run by ``t``], ``h`` at its
+lower limit.
 
 1. Logic. Without regions, the records a re-run record reads from, if re-run, are in
    its connected component, so in its segment (pruning keeps ancestors of outputs);
    what a segment reads from outside is a segment input, kept. A residual of a record
    outside every segment is kept (`residual_keys`); one inside is a segment output or
    an aux value recomputed with it. A binding "recompute" record's values are never
-   kept (its residuals are recomputed; its outputs that a segment reads make it
-   needed, so in that segment).
+   kept. A segment runs at the first use of any of its recomputed values, so by
+   ``F_i`` for each of its records with a residual; one without is in it through a
+   re-run reader (pruning), so it runs by that reader's need. Adjacent re-run records
+   are in one segment: equal ``z``.
 2. Cost. Segments are disjoint and each runs once: `simulate`'s flops are
    ``Σ_{i in a segment} flops_i``. Mechanism seconds are per kept key (`options` is
-   computed here from the same shapes): equal.
+   computed here from the same shapes): equal. ``z`` and ``h`` cost nothing.
 3. Bytes at record point ``t``, term by term, each at most what
    `_planner_joint.timeline` counts there. A kept key is released no earlier than its
    last residual use (``≥ L_v``) and unpacked no later than its first use less the
-   prefetch (``≤ U_v``): its stored and copy intervals contain the ones here. A
-   residual of a re-run record is a segment output, held (`Timeline.fixed`) from its
-   segment's run — at or before its first use — to its last use. Aux values of re-run
-   records count 0 here (the timeline does not hold them either). A pair's ``π``:
-   ``q``'s segment runs at some ``s ≤ F_w``; at a point in ``(L_u, F_w)`` either
-   ``s ≥ t`` and ``u`` is still held (its stored bytes: ``u`` is released at its last
-   use, the latest of its residual uses and the runs of the segments reading it), or
-   ``s < t`` and ``w`` is held from ``s`` to ``L_w ≥ F_w > t``: at least the smaller
-   of the two. Outside ``(L_u, F_w)`` the pair adds nothing, so ``u`` (counted up to
-   ``L_u``) and ``w`` (from ``F_w``) are never counted twice. Pairs are chosen once
-   per tape, each ``u`` and each ``q`` in at most one, and ``w`` is ``q``'s own output,
-   so two pairs share a value only as one's ``w`` and the other's ``u``: then that
-   value is recomputed, not kept, and the second pair's ``π`` may be 0 — two pairs
-   never claim the same bytes. Segment-run points (the moment a segment's inputs
-   and its outputs and transients are all held) are left out: fewer constraints, a
-   weaker bound.
+   prefetch (``≤ U_v``). A residual of a re-run record is a segment output, held
+   (`Timeline.fixed`) from its segment's run to its last use. Aux values of re-run
+   records count 0 here (the timeline does not hold them either). ``h[u, t] > 0``
+   only if ``u`` is kept and a re-run reader's segment runs after ``t``: then ``u``
+   (its producer not re-run) is that segment's input, held until it runs, with its
+   stored bytes; ``h`` starts past ``L_u``, where the stored term ends.
+4. Bytes at a run. If ``q``'s segment runs at ``t``, at ``q``'s step of it the run
+   point holds: every ``base[t]`` term (kept values still to be used, copies already
+   made, outputs of earlier runs still to be used: none of them the segment's own);
+   ``q``'s inputs (a kept one at its stored bytes plus its copy, unpacked for the run:
+   at least its full bytes; one recomputed, live at ``q``'s step), ``q``'s outputs,
+   and the residuals of ``q``'s re-run parents (in the segment, earlier, kept to its
+   end). If ``q`` does not run at ``t``, the row is ``base[t]`` (less some terms) and
+   the residuals of segments running at ``t``: held at the last run at ``t``, or at
+   point ``t − 1`` if none runs.
 
 So the ILP's optimum ≤ the least predicted time of any executor plan within the
-budget, and ``tests/policies/test_planner_ilp_joint.py`` checks the three steps on
-random plans (`Model.at_plan`): the logic rows hold, the objective equals, the
-modelled peak is ≤ `_planner_joint.evaluate`'s. Where it is loose: a pure segment
-input with no pair is counted at point 0 only, a recomputed value before its first
-use, recomputation transients. `solve` reports the bound HiGHS proved even when it
-stops at its time limit.
+budget, and ``tests/policies/test_planner_ilp_joint.py`` checks the steps on random
+plans (`Model.at_plan`): the logic rows hold, the objective equals, each point's and
+each run row's modelled bytes are ≤ the executor's there. Where it is still loose: a
+segment may run earlier than its first need (``z`` is bounded from above only);
+runs more than ``WINDOW`` points before a need are not modelled; a run row sees one
+record's step (its inputs, outputs and its parents' residuals, not its grandparents'
+nor the segment's other intermediates).
+`solve` reports the bound HiGHS proved even when it stops at its time limit.
 """
 
 from __future__ import annotations
@@ -92,7 +107,8 @@ __all__ = ["Model", "Solution", "build", "solve", "plan_candidate", "MAX_RECORDS
 
 MAX_RECORDS = 300
 TIME_LIMIT_S = 2.0
-WINDOW: int | None = 8
+WINDOW: int | None = 8  # points before a need where runs are modelled, for the bound
+PLAN_WINDOW: int | None = 4  # for `plan_candidate` (a smaller model, solved sooner)
 
 
 @dataclasses.dataclass
@@ -514,6 +530,7 @@ def plan_candidate(
     prefetch: int = 0,
     time_limit: float = TIME_LIMIT_S,
     tries: int = 3,
+    window: int | None = PLAN_WINDOW,
 ) -> tuple[str, ...] | None:
     """The ILP's save/recompute decisions (binding ones applied) for `Budget` to score
     as one more candidate; None when highspy is missing, the tape is too large or
@@ -521,7 +538,8 @@ def plan_candidate(
 
     The relaxation undercounts bytes, so its plan may not fit under the executor's
     schedule even with every residual at its fewest bytes; then it is solved again at
-    a budget lowered by the overflow (up to ``tries`` solves, sharing the time limit)."""
+    a budget lowered by the overflow (up to ``tries`` solves, sharing the time limit).
+    ``window``: `build`'s (0: no run variables, the smallest model)."""
     from tapegrad.policies import _planner_ilp
     from tapegrad.policies._planner_fast import TapeIndex
 
@@ -533,7 +551,7 @@ def plan_candidate(
     deadline = time.perf_counter() + time_limit
     for _ in range(tries):
         left = deadline - time.perf_counter()
-        model = build(tape, fixed, target, mechanisms, costs, prefetch)
+        model = build(tape, fixed, target, mechanisms, costs, prefetch, window)
         if model is None or left <= 0:
             break
         sol = solve(model, left)
