@@ -124,6 +124,7 @@ class Model:
     ycols: list  # (key index, mechanism column) of each y
     window: dict  # record -> (first z point s, its need F, column of z[i, s])
     holds: list  # per h: (column, key index, points, ((reader q, z column), ...))
+    claims: list  # per pair row of an h: (column, key index, reader q, bytes per mechanism)
     order: list  # the record backward runs at each point 1..T-1
     cost: np.ndarray  # seconds per column
     upper: np.ndarray  # per column
@@ -166,6 +167,10 @@ class Model:
         for hcol, k, _, qs in self.holds:
             big = self.opts.stored[k].max()
             z[hcol] = max([0.0] + [stored[k] + big * (z[q] - z[c] - 1.0) for q, c in qs])
+        for hcol, k, q, coef in self.claims:
+            m = choice.get(self.keys[k])
+            if m is not None:
+                z[hcol] = max(z[hcol], coef[m] - coef.max() * (1.0 - z[q]))
         b0 = self.columns - len(self.base) + 1
         z[b0:] = self.base[1:] @ z
         return z
@@ -292,6 +297,32 @@ def build(
         for pts, zq in span:
             holds.append((col, ku, range(pts[0], pts[-1] + 1), zq))
             col += 1
+    # Before a reader q's window, where its run is not modelled: u still held, or q has
+    # run and its residual w is held (w is not counted there otherwise): at least the
+    # smaller. One pair per u and per q, so no two pairs claim the same w.
+    cands = []
+    for uid, qs in readers.items():
+        for q in qs:
+            for o in recs[q].outputs:
+                if q in win and o.id in first and win[q][0] - 1 > last.get(uid, 0):
+                    gain = min(int(full[kidx[uid]]), device_nbytes(o))
+                    cands.append((gain * (win[q][0] - 1 - last.get(uid, 0)), uid, q, o))
+    paired: dict[int, tuple[int, np.ndarray]] = {}
+    used_q: set[int] = set()
+    for gain, uid, q, o in sorted(cands, key=lambda c: -c[0]):
+        ku = kidx[uid]
+        if gain > 0 and ku not in paired and q not in used_q:
+            used_q.add(q)
+            coef = np.minimum(opts.stored[ku], device_nbytes(o)).astype(np.float64)
+            coef[~opts.valid[ku]] = 0.0
+            paired[ku] = (q, coef)
+    claims = [
+        (hcol, k, paired[k][0], paired[k][1])
+        for hcol, k, pts, zq in holds
+        if k in paired
+        and pts.stop <= win[paired[k][0]][0]
+        and any(q == paired[k][0] for q, _ in zq)
+    ]
     b0 = col - 1  # b[t], t = 1..T-1: bytes a segment run at t finds held (base[t])
     ncol = col + T - 1
     cost = np.zeros(ncol)
@@ -354,6 +385,10 @@ def build(
         co = [-float(opts.stored[k, ycols[c - n][1]]) for c in ys]
         for q, zc in zq:
             row([hcol, q, zc] + ys, [1.0, -big, big] + co, -big, np.inf)
+    for hcol, k, q, coef in claims:
+        ys = ycol_of[k]
+        big = float(coef.max())
+        row([hcol, q] + ys, [1.0, -big] + [-coef[ycols[c - n][1]] for c in ys], -big, np.inf)
 
     mem = np.zeros((T, ncol))
     for j, (k, m) in enumerate(ycols):
@@ -434,7 +469,7 @@ def build(
             cols = np.array([zc for zc, a in terms.items() if a != 0.0], np.int64)
             runs.append((t, cols, np.array([terms[zc] for zc in cols])))
     return Model(
-        n, keys, kprod, opts, ycols, win, holds, order, cost, upper, integer, rows, mem,
+        n, keys, kprod, opts, ycols, win, holds, claims, order, cost, upper, integer, rows, mem,
         base, runs, int(budget),
     )  # fmt: skip
 
