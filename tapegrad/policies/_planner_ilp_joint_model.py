@@ -284,17 +284,17 @@ def build(
         ku = kidx[uid]
         qs = [q for q in qs if q in win]
         lu = last.get(uid, 0)
-        span: list[
-            tuple[list[int], tuple]
-        ] = []  # (points, their rows): points before the readers' windows share rows
+        # (points, their rows, before each reader's window): such points share one h
+        span: list[tuple[list[int], tuple, tuple]] = []
         for t in range(lu + 1, max([win[q][1] for q in qs], default=0)):
             # before q's window: "q has not run by t" needs "not by its window's start"
             zq = tuple((q, z_col(q, max(t, win[q][0]))) for q in qs if t < win[q][1])
-            if span and span[-1][1] == zq:
+            before = tuple(t < win[q][0] for q in qs)  # a pair's row holds there only
+            if span and span[-1][1] == zq and span[-1][2] == before:
                 span[-1][0].append(t)
             else:
-                span.append(([t], zq))
-        for pts, zq in span:
+                span.append(([t], zq, before))
+        for pts, zq, _ in span:
             holds.append((col, ku, range(pts[0], pts[-1] + 1), zq))
             col += 1
     # Before a reader q's window, where its run is not modelled: u still held, or q has
