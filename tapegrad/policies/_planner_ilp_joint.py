@@ -6,292 +6,39 @@ mechanisms' seconds, `_planner_joint`) of every plan the executor can run within
 budget; its solution, decoded and scored by the executor's own model, is one more
 candidate for `Budget` (`plan_candidate`).
 
-The executor's segments (`_checkpoint.build_segments`: connected components of the
-re-run records, each re-run once at backward's first need of any of its values) are
-not linear in the decisions. This model is a relaxation of them, over the points
-``0`` (the end of forward) and ``1..T`` (backward running each active record, in
-backward order; `_planner_joint.timeline`'s record points):
-
-* ``x[i]`` in {0, 1}: record ``i`` is re-run in backward (0 for a binding "save" and
-  for records with side effects, which `budget._keep_effects` fixes to "save");
-* ``y[v, m]`` in {0, 1}: value ``v`` (a residual key, or an input of a record that may
-  be re-run) is kept from forward with mechanism ``m``;
-* a residual (a key some active record saves) is kept or its producer re-run:
-  ``Σ_m y[v, m] + x[p(v)] = 1`` (an aux value likewise, with its record); a value a
-  re-run record ``q`` reads is kept or produced by a re-run record:
-  ``Σ_m y[v, m] + x[p(v)] ≥ x[q]`` (at most one of the two); a binding "recompute"
-  record keeps none of its values;
-* cost: ``Σ x[i]·flops_i / flops_per_s + Σ y[v, m]·seconds[v, m]``;
-* bytes at point ``t``: a kept value, ``stored[v, m]`` over ``[0, L_v]`` and
-  ``copy[v, m]`` over ``[U_v, L_v]`` (``L_v``: its last residual use, 0 when it has
-  none; ``U_v``: its first residual use, ``prefetch`` records earlier); a residual of a
-  re-run record, its bytes over ``[F_v, L_v]`` (first to last use); plus, per pair
-  (``u`` kept, read by re-run ``q``, which produces a residual ``w``), a variable
-  ``π ≥ Σ_m min(stored[u, m], bytes_w)·y[u, m] − C·(1 − x[q])`` over the points
-  ``(L_u, F_w)``; every point ``≤ budget``.
-
-Why every plan the executor runs is feasible here, at the same cost and no more bytes
-(tapes without checkpoint regions or loop records: `build` returns None on others):
-set ``x`` = the records of its segments, ``y`` = its kept keys (`Tape.residual_keys`)
-with their mechanisms, ``π`` at its lower limit.
-
-1. Logic. Without regions, the records a re-run record reads from, if re-run, are in
-   its connected component, so in its segment (pruning keeps ancestors of outputs);
-   what a segment reads from outside is a segment input, kept. A residual of a record
-   outside every segment is kept (`residual_keys`); one inside is a segment output or
-   an aux value recomputed with it. A binding "recompute" record's values are never
-   kept (its residuals are recomputed; its outputs that a segment reads make it
-   needed, so in that segment).
-2. Cost. Segments are disjoint and each runs once: `simulate`'s flops are
-   ``Σ_{i in a segment} flops_i``. Mechanism seconds are per kept key (`options` is
-   computed here from the same shapes): equal.
-3. Bytes at record point ``t``, term by term, each at most what
-   `_planner_joint.timeline` counts there. A kept key is released no earlier than its
-   last residual use (``≥ L_v``) and unpacked no later than its first use less the
-   prefetch (``≤ U_v``): its stored and copy intervals contain the ones here. A
-   residual of a re-run record is a segment output, held (`Timeline.fixed`) from its
-   segment's run — at or before its first use — to its last use. Aux values of re-run
-   records count 0 here (the timeline does not hold them either). A pair's ``π``:
-   ``q``'s segment runs at some ``s ≤ F_w``; at a point in ``(L_u, F_w)`` either
-   ``s ≥ t`` and ``u`` is still held (its stored bytes: ``u`` is released at its last
-   use, the latest of its residual uses and the runs of the segments reading it), or
-   ``s < t`` and ``w`` is held from ``s`` to ``L_w ≥ F_w > t``: at least the smaller
-   of the two. Outside ``(L_u, F_w)`` the pair adds nothing, so ``u`` (counted up to
-   ``L_u``) and ``w`` (from ``F_w``) are never counted twice. Pairs are chosen once
-   per tape, each ``u`` and each ``q`` in at most one, and ``w`` is ``q``'s own output,
-   so two pairs share a value only as one's ``w`` and the other's ``u``: then that
-   value is recomputed, not kept, and the second pair's ``π`` may be 0 — two pairs
-   never claim the same bytes. Segment-run points (the moment a segment's inputs
-   and its outputs and transients are all held) are left out: fewer constraints, a
-   weaker bound.
-
-So the ILP's optimum ≤ the least predicted time of any executor plan within the
-budget, and ``tests/policies/test_planner_ilp_joint.py`` checks the three steps on
-random plans (`Model.at_plan`): the logic rows hold, the objective equals, the
-modelled peak is ≤ `_planner_joint.evaluate`'s. Where it is loose: a pure segment
-input with no pair is counted at point 0 only, a recomputed value before its first
-use, recomputation transients. `solve` reports the bound HiGHS proved even when it
-stops at its time limit.
+The model — a relaxation of the executor's schedule, with time-indexed run variables —
+and the proof that it is one are in `_planner_ilp_joint_model` (`build`, `Model`).
+`solve` reports the bound HiGHS proved even when it stops at its time limit.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-import types
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
-from tapegrad._tape import Tape, Var
+from tapegrad._tape import Tape
 from tapegrad.policies import _planner_joint as joint
-from tapegrad.policies._cost import CostModel, device_nbytes
+from tapegrad.policies._cost import CostModel
+from tapegrad.policies._planner_ilp_joint_model import WINDOW, Model, build
 
-__all__ = ["Model", "Solution", "build", "solve", "plan_candidate", "MAX_RECORDS", "TIME_LIMIT_S"]
+__all__ = [
+    "Model",
+    "Solution",
+    "build",
+    "solve",
+    "plan_candidate",
+    "MAX_RECORDS",
+    "TIME_LIMIT_S",
+    "WINDOW",
+    "PLAN_WINDOW",
+]
 
 MAX_RECORDS = 300
 TIME_LIMIT_S = 2.0
-
-
-@dataclasses.dataclass
-class Model:
-    """The relaxation's columns (``x`` per record, then ``y`` per (key, mechanism), then
-    ``π`` per pair), objective, bounds, logic rows and byte rows (one per point)."""
-
-    n: int
-    keys: list  # candidate kept values (residual keys)
-    producer: np.ndarray  # record producing each key
-    opts: joint.Options  # per key: stored / copy bytes and seconds per mechanism
-    ycols: list  # (key index, mechanism column) of each y
-    pairs: list  # (record q, key index of u, bytes coefficient per mechanism, C)
-    cost: np.ndarray  # seconds per column
-    upper: np.ndarray  # per column (π: its largest useful value)
-    integer: np.ndarray  # per column
-    rows: list  # (columns, coefficients, lower, upper)
-    mem: np.ndarray  # (points, columns) bytes per unit of each column
-    budget: int
-
-    @property
-    def columns(self) -> int:
-        return len(self.cost)
-
-    def at_plan(self, tape: Tape, choice: dict[Any, int]) -> np.ndarray:
-        """The column values of an executor plan: ``tape`` planned (segments built),
-        ``choice`` its kept keys' mechanism columns (`_planner_joint.COLUMNS`)."""
-        z = np.zeros(self.columns)
-        for seg in tape.segments:
-            z[list(seg.records)] = 1.0
-        col = {kc: self.n + j for j, kc in enumerate(self.ycols)}
-        for k, key in enumerate(self.keys):
-            if key in choice:
-                z[col[(k, choice[key])]] = 1.0
-        y0 = self.n + len(self.ycols)
-        for j, (q, u, coef, big) in enumerate(self.pairs):
-            held = sum(coef[m] * z[col[(u, m)]] for m in range(len(coef)) if (u, m) in col)
-            z[y0 + j] = max(0.0, held - big * (1.0 - z[q]))
-        return z
-
-    def check(self, z: np.ndarray, tol: float = 1e-6) -> tuple[bool, float, int]:
-        """(logic rows and bounds hold, seconds, modelled peak bytes) at columns ``z``."""
-        ok = bool(np.all(z >= -tol) and np.all(z <= self.upper + tol))
-        for cols, coef, lo, hi in self.rows:
-            v = float(np.dot(coef, z[cols]))
-            ok = ok and lo - tol <= v <= hi + tol
-        return ok, float(self.cost @ z), int(np.round((self.mem @ z).max()))
-
-
-def build(
-    tape: Tape,
-    fixed: Sequence[str | None],
-    budget: int,
-    mechanisms: tuple[str, ...],
-    costs: CostModel,
-    prefetch: int = 0,
-) -> Model | None:
-    """The relaxation for ``tape`` at ``budget``; None on tapes with checkpoint regions
-    or loop/branch records (outside the argument above)."""
-    from tapegrad.policies.budget import _keep_effects
-
-    recs = tape.records
-    if any(r.region is not None or r.bodies for r in recs):
-        return None
-    fixed = _keep_effects(tape, fixed)
-    n = len(recs)
-    producer = {o.id: r.index for r in recs for o in r.outputs}
-    order = [r.index for r in reversed(recs) if r.rule != "none"]
-    point = {i: t + 1 for t, i in enumerate(order)}
-    T = len(order) + 1
-    can_rerun = np.array([f != "save" for f in fixed], bool)
-
-    def prod(key: Any) -> int:
-        return key[1] if isinstance(key, tuple) else producer.get(key, -1)
-
-    first: dict[Any, int] = {}
-    last: dict[Any, int] = {}
-    obj: dict[Any, Any] = {}
-    for i in order:
-        rec = recs[i]
-        for s in rec.saves:
-            key = rec.residual_key(s)
-            if prod(key) < 0:
-                continue  # a tape input or constant: held by the caller
-            first.setdefault(key, point[i])
-            last[key] = point[i]
-            if s.kind == "aux":
-                obj.setdefault(key, s)
-            else:
-                obj.setdefault(key, rec.inputs[s.index] if s.kind == "in" else rec.outputs[s.index])
-    readers: dict[int, list[int]] = {}  # value id -> records that may be re-run reading it
-    for r in recs:
-        if not can_rerun[r.index]:
-            continue
-        for u in r.inputs:
-            if isinstance(u, Var) and u.id in producer and r.index not in readers.get(u.id, []):
-                readers.setdefault(u.id, []).append(r.index)
-                obj.setdefault(u.id, u)
-    keys = list(obj)
-    kidx = {k: j for j, k in enumerate(keys)}
-    K = len(keys)
-    full = np.array([device_nbytes(obj[k]) for k in keys], np.int64)
-    tl = types.SimpleNamespace(keys=keys, vars=[obj[k] for k in keys], full=full)
-    opts = joint.options(tl, mechanisms, costs)  # type: ignore[arg-type]
-    kprod = np.array([prod(k) for k in keys], np.int64)
-    ycols = [(k, m) for k in range(K) for m in range(opts.valid.shape[1]) if opts.valid[k, m]]
-
-    # pairs: each kept-candidate u at most once, each record q at most once
-    pairs: list[tuple[int, int, np.ndarray, float, int, int]] = []
-    used_q: set[int] = set()
-    cands = []
-    for uid, qs in readers.items():
-        lu = last.get(uid, 0)
-        for q in qs:
-            for o in recs[q].outputs:
-                fw = first.get(o.id)
-                if fw is not None and fw - 1 > lu:
-                    gain = min(int(full[kidx[uid]]), device_nbytes(o)) * (fw - 1 - lu)
-                    cands.append((gain, uid, q, o))
-    seen_u: set[int] = set()
-    for gain, uid, q, o in sorted(cands, key=lambda c: -c[0]):
-        if gain <= 0 or uid in seen_u or q in used_q:
-            continue
-        seen_u.add(uid)
-        used_q.add(q)
-        ku = kidx[uid]
-        coef = np.minimum(opts.stored[ku], device_nbytes(o)).astype(np.float64)
-        coef[~opts.valid[ku]] = 0.0
-        pairs.append((q, ku, coef, float(coef.max()), last.get(uid, 0), first[o.id]))
-
-    ny = len(ycols)
-    ncol = n + ny + len(pairs)
-    cost = np.zeros(ncol)
-    flops = [_flops(r) for r in recs]
-    cost[:n] = np.array(flops) / costs.flops_per_s
-    for j, (k, m) in enumerate(ycols):
-        cost[n + j] = opts.seconds[k, m]
-    upper = np.ones(ncol)
-    upper[:n] = can_rerun.astype(float)
-    integer = np.zeros(ncol, bool)
-    integer[: n + ny] = True
-    upper[n + ny :] = [big for _, _, _, big, _, _ in pairs]
-    ycol_of: list[list[int]] = [[] for _ in range(K)]
-    for j, (k, _) in enumerate(ycols):
-        ycol_of[k].append(n + j)
-        if fixed[kprod[k]] == "recompute":
-            upper[n + j] = 0.0  # a binding recompute keeps none of its values
-
-    rows: list[tuple[np.ndarray, np.ndarray, float, float]] = []
-    for k, key in enumerate(keys):
-        ys = ycol_of[k]
-        p = int(kprod[k])
-        cols = np.array(ys + [p], np.int64)
-        ones = np.ones(len(cols))
-        if key in first:
-            rows.append((cols, ones, 1.0, 1.0))
-        else:
-            rows.append((cols, ones, 0.0, 1.0))
-            for q in readers.get(key, []):
-                rows.append((np.append(cols, q), np.append(ones, -1.0), 0.0, np.inf))
-    y0 = n + ny
-    for j, (q, ku, coef, big, _, _) in enumerate(pairs):
-        ys = ycol_of[ku]
-        cs = np.array([y0 + j, q] + ys, np.int64)
-        co = np.array([1.0, -big] + [-coef[ycols[c - n][1]] for c in ys])
-        rows.append((cs, co, -big, np.inf))
-
-    mem = np.zeros((T, ncol))
-    for j, (k, m) in enumerate(ycols):
-        key = keys[k]
-        lv = last.get(key, 0)
-        mem[: lv + 1, n + j] += opts.stored[k, m]
-        if key in first:
-            uv = max(1, first[key] - prefetch)
-            mem[uv : lv + 1, n + j] += opts.copied[k, m]
-    for k, key in enumerate(keys):
-        if key in first and not isinstance(key, tuple):
-            mem[first[key] : last[key] + 1, kprod[k]] += full[k]
-    for j, (_, _, _, _, lu, fw) in enumerate(pairs):
-        mem[lu + 1 : fw, y0 + j] += 1.0
-    return Model(
-        n,
-        keys,
-        kprod,
-        opts,
-        ycols,
-        [(q, u, coef, big) for q, u, coef, big, _, _ in pairs],
-        cost,
-        upper,
-        integer,
-        rows,
-        mem,
-        int(budget),
-    )
-
-
-def _flops(rec: Any) -> float:
-    from tapegrad.policies.budget import record_flops
-
-    return record_flops(rec)
+PLAN_WINDOW: int | None = 4  # `plan_candidate`'s run window (a smaller model, solved sooner)
 
 
 @dataclasses.dataclass
@@ -336,10 +83,12 @@ def solve(model: Model, time_limit: float = TIME_LIMIT_S) -> Solution:
             float(lo), inf if np.isinf(hi) else float(hi), len(cols), cols.astype(np.int32), coef
         )
     # points whose bytes cannot exceed the budget under any choice need no row
-    worst = np.maximum(model.mem * model.upper, 0).sum(axis=1)
+    worst = np.maximum(model.mem * np.where(np.isinf(model.upper), 0, model.upper), 0).sum(axis=1)
     for t in np.nonzero(worst > model.budget)[0]:
         nz = np.nonzero(model.mem[t])[0]
         h.addRow(-inf, float(model.budget), len(nz), nz.astype(np.int32), model.mem[t, nz])
+    for _, cols, coef in model.runs:
+        h.addRow(-inf, float(model.budget), len(cols), cols.astype(np.int32), coef)
     h.run()
     status = h.getModelStatus()
     info = h.getInfo()
@@ -364,7 +113,7 @@ def solve(model: Model, time_limit: float = TIME_LIMIT_S) -> Solution:
         if z[model.n + j] > 0.5:
             mech[model.keys[k]] = joint.COLUMNS[m]
     ni = model.n + len(model.ycols)
-    secs = float(model.cost[:ni] @ np.round(z[:ni]))  # π costs nothing
+    secs = float(model.cost[:ni] @ np.round(z[:ni]))  # z and h cost nothing
     return Solution(name, bound, secs, dec, mech, time.perf_counter() - t0)
 
 
@@ -377,6 +126,7 @@ def plan_candidate(
     prefetch: int = 0,
     time_limit: float = TIME_LIMIT_S,
     tries: int = 3,
+    window: int | None = PLAN_WINDOW,
 ) -> tuple[str, ...] | None:
     """The ILP's save/recompute decisions (binding ones applied) for `Budget` to score
     as one more candidate; None when highspy is missing, the tape is too large or
@@ -384,7 +134,8 @@ def plan_candidate(
 
     The relaxation undercounts bytes, so its plan may not fit under the executor's
     schedule even with every residual at its fewest bytes; then it is solved again at
-    a budget lowered by the overflow (up to ``tries`` solves, sharing the time limit)."""
+    a budget lowered by the overflow (up to ``tries`` solves, sharing the time limit).
+    ``window``: `build`'s (0: no run variables, the smallest model)."""
     from tapegrad.policies import _planner_ilp
     from tapegrad.policies._planner_fast import TapeIndex
 
@@ -396,7 +147,7 @@ def plan_candidate(
     deadline = time.perf_counter() + time_limit
     for _ in range(tries):
         left = deadline - time.perf_counter()
-        model = build(tape, fixed, target, mechanisms, costs, prefetch)
+        model = build(tape, fixed, target, mechanisms, costs, prefetch, window)
         if model is None or left <= 0:
             break
         sol = solve(model, left)

@@ -644,15 +644,22 @@ def _ilp_solver(tape: Tape) -> Any:
 def _joint_ilp_candidate(
     tape: Tape, fixed: list, pol: Budget, costs: Any
 ) -> list[tuple[tuple, str]]:
-    """The save/recompute decisions of `_planner_ilp_joint`'s solution (one plan, scored
-    like the others) when highspy is importable and the tape is small enough; else none."""
-    from tapegrad.policies import _planner_ilp_joint
+    """The save/recompute decisions of `_planner_ilp_joint`'s solutions (scored like the
+    other plans) when highspy is importable and the tape is small enough; else none.
+    Two models: without run variables (solved in a fraction of a second, so a plan even
+    where the larger one stops at its time limit) and with them (closer to the
+    executor's schedule, often a better plan)."""
+    from tapegrad.policies import _planner_ilp_joint as J
 
     # planned with copies one record ahead, as `Budget._plan_joint` plans first
     prefetch = 1 if "offload" in pol.mechanisms else resolve_prefetch(pol, tape)
     mechs = _no_lowbit(pol.mechanisms)
-    dec = _planner_ilp_joint.plan_candidate(tape, fixed, pol.bytes, mechs, costs, prefetch)
-    return [] if dec is None else [(dec, "joint ILP")]
+    out: list[tuple[tuple, str]] = []
+    for window in (0, J.PLAN_WINDOW):
+        dec = J.plan_candidate(tape, fixed, pol.bytes, mechs, costs, prefetch, window=window)
+        if dec is not None and all(dec != d for d, _ in out):
+            out.append((dec, "joint ILP"))
+    return out
 
 
 def _keep_effects(tape: Tape, fixed: Sequence[str | None]) -> list[str | None]:

@@ -21,7 +21,7 @@ import tapegrad as tg
 from tapegrad.policies import _planner_ilp_joint as J
 from tapegrad.policies import _planner_joint as joint
 from tapegrad.policies._planner_search import Scorer
-from tapegrad.policies.budget import Budget, _to_canonical, estimate
+from tapegrad.policies.budget import Budget, BudgetError, _to_canonical, estimate
 from tests.policies.test_planner_joint import COSTS, block
 
 ALL = ("save", "recompute", "offload", "compress")
@@ -157,8 +157,10 @@ def _random_plans(tape, fixed, mechs, prefetch, count, seed):
 
 
 @pytest.mark.parametrize("name", ["mlp", "block", "unet", "dag"])
-@pytest.mark.parametrize("prefetch", [0, 1])
-def test_every_executor_plan_is_feasible_in_the_relaxation_at_no_more_cost_or_bytes(name, prefetch):
+@pytest.mark.parametrize("prefetch, window", [(0, J.WINDOW), (1, J.WINDOW), (1, 2)])
+def test_every_executor_plan_is_feasible_in_the_relaxation_at_no_more_cost_or_bytes(
+    name, prefetch, window
+):
     f, args = small_models()[name]
     tape = tg.trace(f, argnums=0)(*args)
     n = len(tape.records)
@@ -168,7 +170,7 @@ def test_every_executor_plan_is_feasible_in_the_relaxation_at_no_more_cost_or_by
         fixed = [None] * n
         for i in rng.choice(n, size=n // 5, replace=False):
             fixed[int(i)] = str(rng.choice(["save", "recompute"]))
-        model = J.build(tape, fixed, 1 << 60, mechs, COSTS, prefetch)
+        model = J.build(tape, fixed, 1 << 60, mechs, COSTS, prefetch, window)
         assert model is not None
         ratios = []
         for planned, tl, opts, choice in _random_plans(tape, fixed, mechs, prefetch, 60, 0):
@@ -179,10 +181,25 @@ def test_every_executor_plan_is_feasible_in_the_relaxation_at_no_more_cost_or_by
             assert ok, "the executor's plan breaks a logic row of the relaxation"
             assert m_secs == pytest.approx(total, rel=1e-9, abs=1e-15)
             assert m_peak <= peak, (m_peak, peak)
+            _assert_pointwise_below(model, z, tl, opts, choice)
             ratios.append(m_peak / peak)
         # the bytes rows are not vacuous: modelled peaks are 0.54-0.87 of the executor's
         # on average here, often equal
         assert np.mean(ratios) > 0.4 and max(ratios) > 0.9, ratios
+
+
+def _assert_pointwise_below(model, z, tl, opts, choice):
+    """The modelled bytes at each record point are at most the executor's there; a run
+    row at t, at most the executor's at a run before record point t or at t - 1."""
+    r = np.arange(len(tl.keys))
+    live = joint.live_bytes(tl, opts.stored[r, choice], opts.copied[r, choice])
+    pos = [0] + [j for j, lab in enumerate(tl.labels) if lab.startswith("bwd")]
+    points, runs = model.peaks(z)
+    assert len(points) == len(pos)
+    for t, j in enumerate(pos):
+        assert points[t] <= live[j] + 1e-6, (t, points[t], live[j])
+    for (t, _, _), v in zip(model.runs, runs):
+        assert v <= live[pos[t - 1] : pos[t]].max() + 1e-6, (t, v, live[pos[t - 1] : pos[t]])
 
 
 def test_the_relaxation_rejects_what_the_executor_cannot_do():
@@ -205,7 +222,7 @@ def test_the_relaxation_rejects_what_the_executor_cannot_do():
     bad = z.copy()
     bad[2] = 1.0  # a binding save re-run
     assert not model.check(bad)[0]
-    assert model.pairs
+    assert model.window and model.holds
     planned = Scorer(tape, fixed, 0).planned(("save",) * n)
     save_all = model.at_plan(planned, {k: 0 for k in joint.timeline(planned).keys})
     assert model.check(save_all)[0]
@@ -311,13 +328,19 @@ def test_budget_is_never_worse_than_the_decoded_ilp_plan(name):
     compared = 0
     for frac in (0.8, 0.6, 0.45, 0.3):
         b = int(full * frac)
+        pol = Budget(b, allow=ALL, max_error="bf16", costs=COSTS)
+        try:
+            pol.plan(tape, [None] * n)
+        except BudgetError:
+            continue
+        assert pol.last["peak_bytes"] <= b
+        # the bound at prefetch 0 holds for plans at any depth (Budget's included)
+        bound = J.solve(J.build(tape, [None] * n, b, pol.mechanisms, COSTS, 0), 30.0).bound
+        assert bound <= pol.last["time_s"] * (1 + 1e-9), (frac, bound, pol.last["time_s"])
         dec = _Decoded(b, allow=ALL, max_error="bf16", costs=COSTS)
         dec.plan(tape, [None] * n)
         if not dec.last["fits"]:
             continue
-        pol = Budget(b, allow=ALL, max_error="bf16", costs=COSTS)
-        pol.plan(tape, [None] * n)
-        assert pol.last["peak_bytes"] <= b
         assert pol.last["time_s"] <= dec.last["time_s"] * (1 + 1e-9), (frac, pol.last)
         compared += 1
     assert compared >= 1

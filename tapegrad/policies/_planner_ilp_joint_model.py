@@ -1,0 +1,480 @@
+"""The joint ILP's model (`_planner_ilp_joint` solves it and decodes its plans): columns,
+objective and rows of an integer program over per-record save/recompute and
+per-residual mechanisms whose optimum is a lower bound on the predicted step time of
+every plan the executor can run within the budget. Here: the formulation and why it is
+a relaxation.
+
+The executor's segments (`_checkpoint.build_segments`: connected components of the
+re-run records, each re-run once at backward's first need of any of its values) are
+not linear in the decisions. This model is a relaxation of them, over the points
+``0`` (the end of forward) and ``1..T-1`` (backward running each active record, in
+backward order; `_planner_joint.timeline`'s record points):
+
+* ``x[i]`` in {0, 1}: record ``i`` is re-run in backward (0 for a binding "save" and
+  for records with side effects, which `budget._keep_effects` fixes to "save");
+* ``y[v, m]`` in {0, 1}: value ``v`` (a residual key, or an input of a record that may
+  be re-run) is kept from forward with mechanism ``m``; a residual is kept or its
+  producer re-run: ``Σ_m y[v, m] + x[p(v)] = 1`` (an aux value likewise, with its
+  record); a value a re-run record ``q`` reads is kept or produced by a re-run record:
+  ``Σ_m y[v, m] + x[p(v)] ≥ x[q]`` (at most one of the two); a binding "recompute"
+  record keeps none of its values;
+* ``z[i, t]`` in {0, 1}: record ``i``, if re-run, has run by point ``t``. Its need
+  ``F_i``: the first use of one of its residuals (outputs some record saves, aux
+  values), or, for a record with none, the latest need of the re-run records reading
+  it. ``z[i, t] = x[i]`` from ``F_i`` on (no column); columns for the ``WINDOW`` points
+  before; earlier, not modelled. Rows: ``z[i, t] ≤ z[i, t + 1]``; for ``j`` reading
+  ``i``'s output, ``|z[i, t] − z[j, t]| ≤ 2 − x[i] − x[j]``;
+* ``h[u, t] ≥ Σ_m stored[u, m]·y[u, m] − S_u·(1 − x[q] + z[q, t'])`` (bytes; ``S_u``
+  its most stored bytes) for each ``q`` that may re-run reading ``u``, ``t < F_q``,
+  ``t' = max(t, q's first column)``: ``u`` kept for ``q``'s run, past ``L_u``; before
+  ``q``'s window also, for one pair per ``u`` and per ``q`` (``w`` a residual of
+  ``q``), ``h[u, t] ≥ Σ_m min(stored[u, m], full_w)·y[u, m] − C·(1 − x[q])``;
+* cost: ``Σ x[i]·flops_i / flops_per_s + Σ y[v, m]·seconds[v, m]``;
+* bytes at point ``t``: a kept value, ``stored[v, m]`` over ``[0, L_v]`` and
+  ``copy[v, m]`` over ``[U_v, L_v]`` (``L_v``: its last residual use, 0 when it has
+  none; ``U_v``: its first residual use, ``prefetch`` records earlier); a residual
+  ``w`` of ``p``, ``full_w·z[p, t]`` up to ``L_w``; ``h[u, t]`` past ``L_u``;
+* bytes at a run at ``t``, per ``q`` whose ``Δ[q, t] = z[q, t] − z[q, t − 1]`` is
+  modelled: ``base[t]`` (the kept values' stored bytes to ``L_v ≥ t``, their copies
+  from ``U_v ≤ t − 1``, residuals ``full_w·z[p, t − 1]`` to ``L_w ≥ t``) less the
+  terms of ``q``'s inputs, ``+ Δ[q, t]·(bytes of q's outputs and inputs)`` ``+
+  Σ Δ[p, t]·(p's residuals)`` over ``q``'s parents ``p`` (those not ``q``'s inputs);
+  every point and run row ``≤ budget``.
+
+Why every plan the executor runs is feasible here, at the same cost and no more bytes
+(tapes without checkpoint regions or loop records: `build` returns None on others):
+set ``x`` = the records of its segments, ``y`` = its kept keys (`Tape.residual_keys`)
+with their mechanisms, ``z[i, t]`` = [``i``'s segment has run by ``t``], ``h`` at its
+lower limit.
+
+1. Logic. Without regions, the records a re-run record reads from, if re-run, are in
+   its connected component, so in its segment (pruning keeps ancestors of outputs);
+   what a segment reads from outside is a segment input, kept. A residual of a record
+   outside every segment is kept (`residual_keys`); one inside is a segment output or
+   an aux value recomputed with it. A binding "recompute" record's values are never
+   kept. A segment runs at the first use of any of its recomputed values, so by
+   ``F_i`` for each of its records with a residual; one without is in it through a
+   re-run reader (pruning), so it runs by that reader's need. Adjacent re-run records
+   are in one segment: equal ``z``.
+2. Cost. Segments are disjoint and each runs once: `simulate`'s flops are
+   ``Σ_{i in a segment} flops_i``. Mechanism seconds are per kept key (`options` is
+   computed here from the same shapes): equal. ``z`` and ``h`` cost nothing.
+3. Bytes at record point ``t``, term by term, each at most what
+   `_planner_joint.timeline` counts there. A kept key is released no earlier than its
+   last residual use (``≥ L_v``) and unpacked no later than its first use less the
+   prefetch (``≤ U_v``). A residual of a re-run record is a segment output, held
+   (`Timeline.fixed`) from its segment's run to its last use. Aux values of re-run
+   records count 0 here (the timeline does not hold them either). ``h[u, t] > 0``
+   only if ``u`` is kept and a re-run reader's segment runs after ``t``: then ``u``
+   (its producer not re-run) is that segment's input, held until it runs, with its
+   stored bytes; ``h`` starts past ``L_u``, where the stored term ends. A pair's row,
+   before ``q``'s window (where ``w`` is counted nowhere else): ``q``'s segment runs
+   by ``F_w``; at ``t`` either it has not run and ``u`` is held, or it has and ``w``
+   is held to ``L_w ≥ F_w > t``: at least the smaller. Each ``q`` (so each ``w``) is
+   in one pair, and a ``w`` is recomputed, so no ``h`` of its own claims it.
+4. Bytes at a run. If ``q``'s segment runs at ``t``, at ``q``'s step of it the run
+   point holds: every ``base[t]`` term (kept values still to be used, copies already
+   made, outputs of earlier runs still to be used: none of them the segment's own);
+   ``q``'s inputs (a kept one at its stored bytes plus its copy, unpacked for the run:
+   at least its full bytes; one recomputed, live at ``q``'s step), ``q``'s outputs,
+   and the residuals of ``q``'s re-run parents (in the segment, earlier, kept to its
+   end). If ``q`` does not run at ``t``, the row is ``base[t]`` (less some terms) and
+   the residuals of segments running at ``t``: held at the last run at ``t``, or at
+   point ``t − 1`` if none runs.
+
+So the ILP's optimum ≤ the least predicted time of any executor plan within the
+budget, and ``tests/policies/test_planner_ilp_joint.py`` checks the steps on random
+plans (`Model.at_plan`): the logic rows hold, the objective equals, each point's and
+each run row's modelled bytes are ≤ the executor's there. Where it is still loose: a
+segment may run earlier than its first need (``z`` is bounded from above only);
+runs more than ``WINDOW`` points before a need are not modelled; a run row sees one
+record's step (its inputs, outputs and its parents' residuals, not its grandparents'
+nor the segment's other intermediates). `_planner_ilp_joint.solve` reports the bound
+HiGHS proved even when it stops at its time limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from tapegrad._tape import Tape, Var
+from tapegrad.policies import _planner_joint as joint
+from tapegrad.policies._cost import CostModel, device_nbytes
+
+__all__ = ["Model", "build", "WINDOW"]
+
+WINDOW: int | None = 8  # points before a need where runs are modelled, for the bound
+
+
+@dataclasses.dataclass
+class Model:
+    """The relaxation's columns (``x`` per record, then ``y`` per (key, mechanism), then
+    ``z`` per (record, point of its run window), then ``h`` per (kept value, point)),
+    objective, bounds, logic rows and byte rows (one per point)."""
+
+    n: int
+    keys: list  # candidate kept values (residual keys)
+    producer: np.ndarray  # record producing each key
+    opts: joint.Options  # per key: stored / copy bytes and seconds per mechanism
+    ycols: list  # (key index, mechanism column) of each y
+    window: dict  # record -> (first z point s, its need F, column of z[i, s])
+    holds: list  # per h: (column, key index, points, ((reader q, z column), ...))
+    claims: list  # per pair row of an h: (column, key index, reader q, bytes per mechanism)
+    order: list  # the record backward runs at each point 1..T-1
+    cost: np.ndarray  # seconds per column
+    upper: np.ndarray  # per column
+    integer: np.ndarray  # per column
+    rows: list  # (columns, coefficients, lower, upper)
+    mem: np.ndarray  # (points, columns) bytes per unit of each column
+    base: np.ndarray  # (points, columns): what a segment run at t finds held from t - 1
+    runs: list  # (point t, columns, coefficients): bytes at a run at t (b[t] = base[t])
+    budget: int
+
+    @property
+    def columns(self) -> int:
+        return len(self.cost)
+
+    def at_plan(self, tape: Tape, choice: dict[Any, int]) -> np.ndarray:
+        """The column values of an executor plan: ``tape`` planned (segments built),
+        ``choice`` its kept keys' mechanism columns (`_planner_joint.COLUMNS`)."""
+        z = np.zeros(self.columns)
+        kept, seg_of = tape.residual_keys()
+        run: dict[int, int] = {}  # segment -> the point it runs at (`timeline`'s rule)
+        for t, i in enumerate(self.order, 1):
+            rec = tape.records[i]
+            for s in rec.saves:
+                key = rec.residual_key(s)
+                if key not in kept and key in seg_of:
+                    run.setdefault(seg_of[key], t)
+        never = 1 << 30
+        ran = {i: run.get(seg.id, never) for seg in tape.segments for i in seg.records}
+        for seg in tape.segments:
+            z[list(seg.records)] = 1.0
+        for i, (s, need, col) in self.window.items():
+            for t in range(s, need):
+                z[col + t - s] = float(ran.get(i, never) <= t)
+        col = {kc: self.n + j for j, kc in enumerate(self.ycols)}
+        stored = np.zeros(len(self.keys))
+        for k, key in enumerate(self.keys):
+            if key in choice:
+                z[col[(k, choice[key])]] = 1.0
+                stored[k] = self.opts.stored[k, choice[key]]
+        for hcol, k, _, qs in self.holds:
+            big = self.opts.stored[k].max()
+            z[hcol] = max([0.0] + [stored[k] + big * (z[q] - z[c] - 1.0) for q, c in qs])
+        for hcol, k, q, coef in self.claims:
+            m = choice.get(self.keys[k])
+            if m is not None:
+                z[hcol] = max(z[hcol], coef[m] - coef.max() * (1.0 - z[q]))
+        b0 = self.columns - len(self.base) + 1
+        z[b0:] = self.base[1:] @ z
+        return z
+
+    def peaks(self, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Modelled bytes at columns ``z``: at each point, and at each run row."""
+        runs = [float(np.dot(co, z[cols])) for _, cols, co in self.runs]
+        return self.mem @ z, np.array(runs)
+
+    def check(self, z: np.ndarray, tol: float = 1e-6) -> tuple[bool, float, int]:
+        """(logic rows and bounds hold, seconds, modelled peak bytes) at columns ``z``."""
+        ok = bool(np.all(z >= -tol) and np.all(z <= self.upper + tol))
+        for cols, coef, lo, hi in self.rows:
+            v = float(np.dot(coef, z[cols]))
+            ok = ok and lo - tol <= v <= hi + tol
+        points, runs = self.peaks(z)
+        return ok, float(self.cost @ z), int(np.round(max(points.max(), runs.max(initial=0))))
+
+
+def build(
+    tape: Tape,
+    fixed: Sequence[str | None],
+    budget: int,
+    mechanisms: tuple[str, ...],
+    costs: CostModel,
+    prefetch: int = 0,
+    window: int | None = WINDOW,
+) -> Model | None:
+    """The relaxation for ``tape`` at ``budget``; None on tapes with checkpoint regions
+    or loop/branch records (outside the argument above). ``window``: how many points
+    before its need a record's run is modelled (None: all)."""
+    from tapegrad.policies.budget import _keep_effects
+
+    recs = tape.records
+    if any(r.region is not None or r.bodies for r in recs):
+        return None
+    fixed = _keep_effects(tape, fixed)
+    n = len(recs)
+    producer = {o.id: r.index for r in recs for o in r.outputs}
+    order = [r.index for r in reversed(recs) if r.rule != "none"]
+    point = {i: t + 1 for t, i in enumerate(order)}
+    T = len(order) + 1
+    can_rerun = np.array([f != "save" for f in fixed], bool)
+
+    def prod(key: Any) -> int:
+        return key[1] if isinstance(key, tuple) else producer.get(key, -1)
+
+    first: dict[Any, int] = {}
+    last: dict[Any, int] = {}
+    obj: dict[Any, Any] = {}
+    for i in order:
+        rec = recs[i]
+        for s in rec.saves:
+            key = rec.residual_key(s)
+            if prod(key) < 0:
+                continue  # a tape input or constant: held by the caller
+            first.setdefault(key, point[i])
+            last[key] = point[i]
+            if s.kind == "aux":
+                obj.setdefault(key, s)
+            else:
+                obj.setdefault(key, rec.inputs[s.index] if s.kind == "in" else rec.outputs[s.index])
+    readers: dict[int, list[int]] = {}  # value id -> records that may be re-run reading it
+    for r in recs:
+        if not can_rerun[r.index]:
+            continue
+        for u in r.inputs:
+            if isinstance(u, Var) and u.id in producer and r.index not in readers.get(u.id, []):
+                readers.setdefault(u.id, []).append(r.index)
+                obj.setdefault(u.id, u)
+    keys = list(obj)
+    kidx = {k: j for j, k in enumerate(keys)}
+    K = len(keys)
+    full = np.array([device_nbytes(obj[k]) for k in keys], np.int64)
+    tl = types.SimpleNamespace(keys=keys, vars=[obj[k] for k in keys], full=full)
+    opts = joint.options(tl, mechanisms, costs)  # type: ignore[arg-type]
+    kprod = np.array([prod(k) for k in keys], np.int64)
+    ycols = [(k, m) for k in range(K) for m in range(opts.valid.shape[1]) if opts.valid[k, m]]
+    ny = len(ycols)
+
+    # need[i]: the latest point record i, if re-run, has run by: the first use of one
+    # of its residuals, or (none) the latest need of the re-run records reading it
+    need = np.zeros(n, np.int64)
+    for key, f in first.items():
+        p = prod(key)
+        need[p] = f if need[p] == 0 else min(need[p], f)
+    for i in reversed(range(n)):
+        if can_rerun[i] and need[i] == 0:
+            rd = [need[q] for o in recs[i].outputs for q in readers.get(o.id, [])]
+            need[i] = max(rd, default=0)
+    win: dict[int, tuple[int, int, int]] = {}
+    col = n + ny
+    for i in range(n):
+        if can_rerun[i] and need[i] > 1:
+            start = 1 if window is None else max(1, int(need[i]) - window)
+            win[i] = (start, int(need[i]), col)
+            col += int(need[i]) - start
+
+    def z_col(i: int, t: int) -> int | None:
+        """The column for "re-run record ``i`` has run by point ``t``" (``x[i]`` from
+        its need on; None before its window, where it is not modelled)."""
+        if i not in win or t >= win[i][1]:
+            return i
+        s, _, c = win[i]
+        return c + t - s if t >= s else None
+
+    # h[u, t]: bytes of kept u still held at t (past its last residual use) because a
+    # re-run reader has not run yet
+    holds: list[tuple[int, int, range, tuple]] = []
+    for uid, qs in readers.items():
+        ku = kidx[uid]
+        qs = [q for q in qs if q in win]
+        lu = last.get(uid, 0)
+        # (points, their rows, before each reader's window): such points share one h
+        span: list[tuple[list[int], tuple, tuple]] = []
+        for t in range(lu + 1, max([win[q][1] for q in qs], default=0)):
+            # before q's window: "q has not run by t" needs "not by its window's start"
+            zq = tuple((q, z_col(q, max(t, win[q][0]))) for q in qs if t < win[q][1])
+            before = tuple(t < win[q][0] for q in qs)  # a pair's row holds there only
+            if span and span[-1][1] == zq and span[-1][2] == before:
+                span[-1][0].append(t)
+            else:
+                span.append(([t], zq, before))
+        for pts, zq, _ in span:
+            holds.append((col, ku, range(pts[0], pts[-1] + 1), zq))
+            col += 1
+    # Before a reader q's window, where its run is not modelled: u still held, or q has
+    # run and its residual w is held (w is not counted there otherwise): at least the
+    # smaller. One pair per u and per q, so no two pairs claim the same w.
+    cands = []
+    for uid, qs in readers.items():
+        for q in qs:
+            for o in recs[q].outputs:
+                if q in win and o.id in first and win[q][0] - 1 > last.get(uid, 0):
+                    gain = min(int(full[kidx[uid]]), device_nbytes(o))
+                    cands.append((gain * (win[q][0] - 1 - last.get(uid, 0)), uid, q, o))
+    paired: dict[int, tuple[int, np.ndarray]] = {}
+    used_q: set[int] = set()
+    for gain, uid, q, o in sorted(cands, key=lambda c: -c[0]):
+        ku = kidx[uid]
+        if gain > 0 and ku not in paired and q not in used_q:
+            used_q.add(q)
+            coef = np.minimum(opts.stored[ku], device_nbytes(o)).astype(np.float64)
+            coef[~opts.valid[ku]] = 0.0
+            paired[ku] = (q, coef)
+    claims = [
+        (hcol, k, paired[k][0], paired[k][1])
+        for hcol, k, pts, zq in holds
+        if k in paired
+        and pts.stop <= win[paired[k][0]][0]
+        and any(q == paired[k][0] for q, _ in zq)
+    ]
+    b0 = col - 1  # b[t], t = 1..T-1: bytes a segment run at t finds held (base[t])
+    ncol = col + T - 1
+    cost = np.zeros(ncol)
+    flops = [_flops(r) for r in recs]
+    cost[:n] = np.array(flops) / costs.flops_per_s
+    for j, (k, m) in enumerate(ycols):
+        cost[n + j] = opts.seconds[k, m]
+    upper = np.ones(ncol)
+    upper[:n] = can_rerun.astype(float)
+    integer = np.zeros(ncol, bool)
+    integer[:ncol] = True
+    for hcol, k, _, _ in holds:
+        upper[hcol] = float(opts.stored[k].max())
+        integer[hcol] = False
+    upper[b0 + 1 :] = np.inf
+    integer[b0 + 1 :] = False
+    ycol_of: list[list[int]] = [[] for _ in range(K)]
+    for j, (k, _) in enumerate(ycols):
+        ycol_of[k].append(n + j)
+        if fixed[kprod[k]] == "recompute":
+            upper[n + j] = 0.0  # a binding recompute keeps none of its values
+
+    rows: list[tuple[np.ndarray, np.ndarray, float, float]] = []
+
+    def row(cols: list, coef: list, lo: float, hi: float) -> None:
+        merged: dict[int, float] = {}
+        for c, a in zip(cols, coef):
+            merged[c] = merged.get(c, 0.0) + a
+        rows.append((np.array(list(merged), np.int64), np.array(list(merged.values())), lo, hi))
+
+    for k, key in enumerate(keys):
+        ys = ycol_of[k]
+        p = int(kprod[k])
+        if key in first:
+            row(ys + [p], [1.0] * (len(ys) + 1), 1.0, 1.0)
+        else:
+            row(ys + [p], [1.0] * (len(ys) + 1), 0.0, 1.0)
+            for q in readers.get(key, []):
+                row(ys + [p, q], [1.0] * (len(ys) + 1) + [-1.0], 0.0, np.inf)
+    # runs: monotone, by the need, and a segment's records (adjacent re-run records)
+    # run at the same point
+    for i, (start, f, c) in win.items():
+        for t in range(start, f):
+            row([c + t - start, z_col(i, t + 1)], [1.0, -1.0], -np.inf, 0.0)  # type: ignore[list-item]
+    for i in win:
+        for o in recs[i].outputs:
+            for q in readers.get(o.id, []):
+                if q not in win:
+                    continue
+                lo = max(win[i][0], win[q][0])
+                for t in range(lo, max(win[i][1], win[q][1])):
+                    a, b = z_col(i, t), z_col(q, t)
+                    if a is None or b is None or (a == i and b == q):
+                        continue
+                    row([a, b, i, q], [1.0, -1.0, 1.0, 1.0], -np.inf, 2.0)
+                    row([b, a, i, q], [1.0, -1.0, 1.0, 1.0], -np.inf, 2.0)
+    for hcol, k, _, zq in holds:
+        big = float(opts.stored[k].max())
+        ys = ycol_of[k]
+        co = [-float(opts.stored[k, ycols[c - n][1]]) for c in ys]
+        for q, zc in zq:
+            row([hcol, q, zc] + ys, [1.0, -big, big] + co, -big, np.inf)
+    for hcol, k, q, coef in claims:
+        ys = ycol_of[k]
+        big = float(coef.max())
+        row([hcol, q] + ys, [1.0, -big] + [-coef[ycols[c - n][1]] for c in ys], -big, np.inf)
+
+    mem = np.zeros((T, ncol))
+    for j, (k, m) in enumerate(ycols):
+        key = keys[k]
+        lv = last.get(key, 0)
+        mem[: lv + 1, n + j] += opts.stored[k, m]
+        if key in first:
+            uv = max(1, first[key] - prefetch)
+            mem[uv : lv + 1, n + j] += opts.copied[k, m]
+    for k, key in enumerate(keys):
+        if key in first and not isinstance(key, tuple):
+            p = int(kprod[k])
+            mem[first[key] : last[key] + 1, p] += full[k]
+            for t in range(win[p][0] if p in win else first[key], first[key]):
+                mem[t, z_col(p, t)] += full[k]  # from its run on
+    for hcol, _, span_t, _ in holds:
+        mem[span_t.start : span_t.stop, hcol] += 1.0
+
+    # Segment runs. base[t]: what any run at t finds held, every value by itself: kept
+    # values used at t or later (their copies made by t - 1), outputs of runs by t - 1
+    # still to be used.
+    base = np.zeros((T, ncol))
+    kterm: list[dict[int, np.ndarray]] = [{} for _ in range(K)]  # key -> its base terms
+    for j, (k, m) in enumerate(ycols):
+        key = keys[k]
+        lv = last.get(key, 0)
+        vec = np.zeros(T)
+        vec[1 : lv + 1] = opts.stored[k, m]
+        if key in first:
+            vec[max(2, first[key] - prefetch + 1) : lv + 1] += opts.copied[k, m]
+        kterm[k][n + j] = vec
+    for k, key in enumerate(keys):
+        if key in first and not isinstance(key, tuple):
+            p = int(kprod[k])
+            for t in range(1, last[key] + 1):
+                zc = z_col(p, t - 1)
+                if zc is not None and t >= 2:
+                    kterm[k].setdefault(zc, np.zeros(T))[t] += full[k]
+    for k in range(K):
+        for zc, vec in kterm[k].items():
+            base[:, zc] += vec
+    for t in range(1, T):
+        nz = np.nonzero(base[t])[0]
+        row([b0 + t] + nz.tolist(), [1.0] + (-base[t, nz]).tolist(), 0.0, 0.0)
+
+    # One row per (t, q): if q's segment runs at t, at q's step of it: base[t] less q's
+    # inputs, plus q's inputs and outputs (full bytes: a kept input is unpacked then) and
+    # the residuals its re-run parents produced before (kept to the segment's end).
+    # A record's switch Δ[q, t] = z[q, t] - z[q, t - 1] (known only inside its window).
+    def switch(i: int, t: int) -> list[tuple[int, float]]:
+        a, b = z_col(i, t), (z_col(i, t - 1) if t >= 2 else -1)
+        if a is None or b is None or a == b:
+            return []
+        return [(a, 1.0)] + ([(b, -1.0)] if b >= 0 else [])
+
+    runs = []
+    for q in win:
+        ins = {v.id for v in recs[q].inputs if isinstance(v, Var) and v.id in kidx}
+        own = sum(device_nbytes(o) for o in recs[q].outputs) + sum(int(full[kidx[v]]) for v in ins)
+        parents = {
+            producer[v]: [o for o in recs[producer[v]].outputs if o.id in first and o.id not in ins]
+            for v in ins
+            if producer[v] in win
+        }
+        for t in range(1, T):
+            dq = switch(q, t)
+            if not dq:
+                continue
+            terms: dict[int, float] = {b0 + t: 1.0}
+            for vid in ins:
+                for zc, vec in kterm[kidx[vid]].items():
+                    terms[zc] = terms.get(zc, 0.0) - vec[t]
+            for zc, sign in dq:
+                terms[zc] = terms.get(zc, 0.0) + sign * own
+            for p, ws in parents.items():
+                for zc, sign in switch(p, t):
+                    terms[zc] = terms.get(zc, 0.0) + sign * sum(device_nbytes(w) for w in ws)
+            cols = np.array([zc for zc, a in terms.items() if a != 0.0], np.int64)
+            runs.append((t, cols, np.array([terms[zc] for zc in cols])))
+    return Model(
+        n, keys, kprod, opts, ycols, win, holds, claims, order, cost, upper, integer, rows, mem,
+        base, runs, int(budget),
+    )  # fmt: skip
+
+
+def _flops(rec: Any) -> float:
+    from tapegrad.policies.budget import record_flops
+
+    return record_flops(rec)
