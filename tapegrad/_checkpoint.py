@@ -208,8 +208,7 @@ def _plan_bodies(tape: Tape, policy: Any) -> Tape:
         return tape
     from tapegrad._loops import outer_saves
 
-    # masks read off values the body keeps anyway, where they come back unchanged
-    kept_exact = None if is_exact(policy) else functools.partial(keeps_exact, policy)
+    kept_exact = _kept_exact(policy)  # masks read off values the body keeps anyway
     segment = getattr(policy, "loop_segment", None)  # an int, or a `LoopPlan`
     schedule = getattr(policy, "loop_schedule", None)  # nested: segment lengths by level
     revolve = getattr(policy, "loop_snapshots", None)  # binomial: snapshots held
@@ -242,6 +241,12 @@ def _plan_bodies(tape: Tape, policy: Any) -> Tape:
                 rec = dataclasses.replace(rec, saves=outer_saves(rec))
         records.append(rec)
     return dataclasses.replace(tape, records=tuple(records))
+
+
+def _kept_exact(policy: Any) -> Callable[[Any], bool] | None:
+    """Whether ``policy`` hands a kept value back unchanged, per value (`keeps_exact`),
+    for `_rebuild`'s switches; None where it keeps every value exact (save, offload)."""
+    return None if is_exact(policy) else functools.partial(keeps_exact, policy)
 
 
 def decide_records(tape: Tape, policy: Any, whole: bool = True) -> list[str]:
@@ -288,10 +293,10 @@ def _decide(
             fixed.append("save")
         open_.append(rec.region is None and c in (None, P.PREFER_SAVE))
     rebuilt: set[int] = set()
-    exact = is_exact(policy)
+    kept_exact = _kept_exact(policy)
     # A planner weighs its own rebuilds against its mechanisms (`budget`); a lossy policy
     # alone rebuilds only values whose every operand it keeps unchanged.
-    if rebuild and whole and (exact or plan is None):
+    if rebuild and whole and (kept_exact is None or plan is None):
         # A planner counts a recomputed segment record by record, a draw's transient (the
         # bits, the uniform floats: several times the packed mask it frees) included;
         # made binding here, that would raise the least peak it can reach. It keeps the
@@ -302,7 +307,7 @@ def _decide(
             [f if f is not None else "save" for f in fixed],
             open_,
             draws=plan is None,
-            kept_exact=None if exact else functools.partial(keeps_exact, policy),
+            kept_exact=kept_exact,
         )
         for i in rebuilt:
             fixed[i] = "recompute"

@@ -18,19 +18,10 @@ from tapegrad.policies import _planner_joint as joint
 from tapegrad.policies._cost import CostModel, compressed_nbytes
 from tapegrad.policies._lowbit import LowBit
 from tapegrad.policies._planner_measure import measured_peak
-from tapegrad.policies.budget import estimate
 from tests.conftest import run_on_8_cpu_devices
+from tests.policies.test_planner_joint import ALL, COSTS, mlp, save_peak
 
 P = tg.policies
-ALL = ("save", "recompute", "offload", "compress")
-COSTS = CostModel(5e10, 5e9, 5e9, 2e9)
-
-
-def mlp(ws, x):
-    h = x
-    for w in ws:
-        h = jnp.tanh(h @ w)
-    return jnp.sum(h**2)
 
 
 def normed(ws, x):
@@ -47,10 +38,6 @@ def model():
     ks = jax.random.split(jax.random.key(0), 5)
     ws = [jax.random.normal(k, (128, 128)) / 11 for k in ks[:4]]
     return ws, jax.random.normal(ks[4], (64, 128))
-
-
-def save_peak(f, args):
-    return estimate(tg.trace(f, argnums=0)(*args))[0]
 
 
 @pytest.mark.parametrize("bits", [4, 2])
