@@ -230,9 +230,7 @@ def shared_in_body(body: Tape, kept_exact: Callable[[ResidualInfo], bool] | None
     for r in body.records:
         for s in r.saves:
             if s.kind != "aux":
-                v = r.inputs[s.index] if s.kind == "in" else r.outputs[s.index]
-                if isinstance(v, Var):
-                    holders.setdefault(v.id, set()).add(r.index)
+                holders.setdefault(r.residual_key(s), set()).add(r.index)
 
     def kept(alt: Record, s: Saved) -> bool:
         v = (alt.inputs if s.kind == "in" else alt.outputs)[s.index]
