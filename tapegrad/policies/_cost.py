@@ -191,8 +191,9 @@ def _lowbit_round_trip(x: Any, repeats: int) -> float:
     import jax.numpy as jnp
 
     from tapegrad.policies._lowbit import key_words, lowbit_layout, pack_lowbit, unpack_lowbit
+    from tapegrad.policies.compress import DEFAULT_GROUP
 
-    lay = lowbit_layout(x, 2, 128)
+    lay = lowbit_layout(x, 2, DEFAULT_GROUP)
     words, rid = key_words(0), jnp.uint32(0)
     pack = jax.jit(lambda x: pack_lowbit(x, words, rid, bits=2, lay=lay))
     unpack = jax.jit(lambda p: unpack_lowbit(p, x.dtype))

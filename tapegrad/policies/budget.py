@@ -31,7 +31,14 @@ import numpy as np
 
 from tapegrad._tape import Record, Tape
 from tapegrad.errors import TapegradError
-from tapegrad.policies._cost import LOWBIT, device_nbytes, prefetch_depth, resolve_prefetch
+from tapegrad.policies._cost import (
+    ERROR_CLASSES,
+    LOWBIT,
+    MECHANISMS,
+    device_nbytes,
+    prefetch_depth,
+    resolve_prefetch,
+)
 
 __all__ = ["Budget", "budget", "estimate", "BudgetError", "record_flops"]
 
@@ -482,7 +489,8 @@ def _relaxed(sc: Any, lo: int, hi: int) -> list[tuple]:
 
 
 _KNOWN = ("save", "recompute", "offload", "compress")
-_ERRORS = {None: 0, "lossless": 0, "bf16": 1, "int8": 2, "4-bit": 3, "2-bit": 4}
+# max_error -> its level: `ERROR_CLASSES`' order, lossless (or None) first
+_ERRORS: dict[str | None, int] = {None: 0} | {c: i for i, c in enumerate(ERROR_CLASSES)}
 
 
 def _check_allow(allow: Sequence[str], max_error: str | None) -> tuple[tuple[str, ...], Any]:
@@ -508,8 +516,9 @@ def _mechanisms(allow: tuple[str, ...], max_error: str | None) -> tuple[str, ...
         out.append("offload")
     if "compress" in allow:
         level = _ERRORS[max_error]
-        formats = (("bf16", 1), ("int8", 2), ("4-bit", 3), ("2-bit", 4))
-        out += [m for m, lv in formats if lv <= level]
+        out += [
+            m for m, c in MECHANISMS.items() if m not in ("save", "offload") and _ERRORS[c] <= level
+        ]
     return tuple(out)
 
 
