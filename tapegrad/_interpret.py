@@ -54,6 +54,7 @@ class Residuals:
         "raw",
         "loops",
         "steps",
+        "readers",
     )
 
     def __init__(self, policy):
@@ -70,6 +71,8 @@ class Residuals:
         self.raw: frozenset = frozenset()
         self.loops: tuple = ()  # the loop records this tape runs inside, outermost first
         self.steps: tuple = ()  # this run's step index in each of them (see ResidualInfo)
+        # residual key -> every (record, Saved) keeping it (ResidualInfo.readers)
+        self.readers: dict[Any, tuple] = {}
 
 
 def _bind(rec: Record, ins: list) -> list:
@@ -228,6 +231,7 @@ def forward(
         # A loop body's inputs are per-step values (carries, slices), not the caller's arrays.
         ins_ids = frozenset(v.id for v in tape.inputs) if not loops else frozenset()
         res.input_ids = ins_ids | {v.id for v, _ in tape.consts}
+        res.readers = tape.readers()
     store, refs = res.store, res.refs
     if tape.segments:
         _, recomputed = tape.residual_keys()
@@ -298,7 +302,10 @@ def forward(
 
 
 def _pack(res: Residuals, rec: Record, key, s, value):
-    info = ResidualInfo(rec, s, s.shape, s.dtype, key in res.input_ids, res.loops, res.steps)
+    readers = res.readers.get(key, ())
+    info = ResidualInfo(
+        rec, s, s.shape, s.dtype, key in res.input_ids, res.loops, res.steps, readers
+    )
     # Backward's copy forgets the steps: inside a traced scan they are the forward
     # body's tracers.
     res.infos[key] = dataclasses.replace(info, steps=()) if res.steps else info

@@ -160,8 +160,9 @@ def _rebuilt_once(
     outputs = {o.id for o in tape.outputs if isinstance(o, Var)}
     rebuilt: set[int] = set()
 
-    def kept(u: object, reader: Record, i: int, kind: str = "in") -> bool:
-        """Whether backward holds input (or output) ``i`` of ``reader`` as forward made it."""
+    def kept(u: object, reader: Record, i: int, saved: Saved | None = None) -> bool:
+        """Whether backward holds input ``i`` of ``reader`` (or the value ``saved``
+        names) as forward made it, as far as ``reader`` reads it (`Saved.reads_positive`)."""
         if not isinstance(u, Var):
             return True  # a literal
         p = producer.get(u.id)  # None: an input or a constant, held by the caller
@@ -173,7 +174,8 @@ def _rebuilt_once(
             return False
         if kept_exact is None:
             return True
-        info = ResidualInfo(reader, Saved(kind, i, u.shape, u.dtype), u.shape, u.dtype, p is None)
+        saved = saved or Saved("in", i, u.shape, u.dtype)
+        info = ResidualInfo(reader, saved, u.shape, u.dtype, p is None)
         return kept_exact(info)
 
     plain: dict[int, Record] = {}
@@ -185,7 +187,7 @@ def _rebuilt_once(
             # where small values round across the threshold.
             alt = keeping_operands(rec)
             if alt is not None and all(
-                kept((rec.inputs if s.kind == "in" else rec.outputs)[s.index], alt, s.index, s.kind)
+                kept((rec.inputs if s.kind == "in" else rec.outputs)[s.index], alt, s.index, s)
                 for s in alt.saves
             ):
                 plain[rec.index] = rec = alt

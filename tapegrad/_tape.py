@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -170,6 +171,11 @@ class Saved:
     dtype: np.dtype
     # The value's type-level sharding when it is a record's input or output (see Var).
     sharding: Any = field(default=None, compare=False, repr=False)
+    # This record's backward reads only where the value (>= 0) is positive: relu's mask
+    # ``x > 0`` read off its output ``relu(x)`` instead of kept. A lossy policy may keep
+    # the value as it likes provided zeros stay zero and positives positive
+    # (`compress(bits=...)` does, `_lowbit`'s zero-exact codes).
+    reads_positive: bool = False
 
     @property
     def ref(self) -> tuple[str, int]:
@@ -343,6 +349,9 @@ class Segment:
     compiled: bool = False
 
 
+_READERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 @dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)
 class Tape:
     """An immutable list of `Record`s, with the tape's inputs, constants and outputs.
@@ -397,6 +406,18 @@ class Tape:
                 kept.setdefault(v.id, v)
                 recomputed.pop(v.id, None)  # kept as a segment input: never recomputed
         return kept, recomputed
+
+    def readers(self) -> dict[Any, tuple[tuple[Record, Saved], ...]]:
+        """Residual key -> every ``(record, Saved)`` keeping that value, in forward order
+        (`ResidualInfo.readers`). Computed once per tape."""
+        got = _READERS.get(self)
+        if got is None:
+            acc: dict[Any, list] = {}
+            for rec in self.records:
+                for s in rec.saves:
+                    acc.setdefault(rec.residual_key(s), []).append((rec, s))
+            got = _READERS[self] = {k: tuple(v) for k, v in acc.items()}
+        return got
 
     def residual_vars(self) -> dict[Any, int]:
         """Distinct values kept for backward and their bytes: a value saved by several

@@ -40,6 +40,7 @@ from tapegrad.policies._lowbit import (
     pack_lowbit,
     packed_nbytes,
     read_through_a_pole,
+    reads_positive,
     residual_id,
     residual_name,
     unpack_lowbit,
@@ -177,8 +178,9 @@ def allocate(
 class _Recorder:
     """Packs nothing; notes every residual ``applies`` says the policy would pack."""
 
-    def __init__(self, applies: Callable, group: int, inputs: bool):
-        self.applies, self.group, self.inputs = applies, group, inputs
+    def __init__(self, policy: Any):
+        self.policy, self.applies = policy, policy._applies
+        self.group, self.inputs = policy.group, policy.inputs
         self.seen: dict[str, tuple[Any, bool]] = {}
 
     def pack(self, value, info):
@@ -195,14 +197,20 @@ class _Recorder:
     def unpack(self, packed, info):
         return packed
 
+    def keeps_exact(self, info) -> bool:
+        # the switches `compress` allows (relu's mask off its output), so that the
+        # residuals seen here are the ones the fitted policy packs
+        return self.policy.keeps_exact(info)
+
 
 class _Probe:
     """Rounds residual number ``active`` (of ``index``) at ``bits`` under key ``words``
     and leaves the others exact: one compiled program probes every residual."""
 
-    def __init__(self, active, words, index: dict, bits: int, group: int, inputs: bool):
+    def __init__(self, active, words, index: dict, bits: int, policy: Any):
         self.active, self.words, self.index = active, words, index
-        self.bits, self.group, self.inputs = bits, group, inputs
+        self.bits, self.policy = bits, policy
+        self.group, self.inputs = policy.group, policy.inputs
 
     def pack(self, value, info):
         i = self.index.get(residual_name(info))
@@ -212,14 +220,20 @@ class _Probe:
         lay = lowbit_layout(value, self.bits, self.group)
         rid = residual_id(info)
 
+        positive = reads_positive(info)
+
         def rounded(v):
-            return unpack_lowbit(pack_lowbit(v, self.words, rid, bits=self.bits, lay=lay), v.dtype)
+            packed = pack_lowbit(v, self.words, rid, bits=self.bits, lay=lay, positive=positive)
+            return unpack_lowbit(packed, v.dtype)
 
         # A cond, not a select: each gradient rounds one residual, not all of them.
         return jax.lax.cond(self.active == i, rounded, lambda v: v, value)
 
     def unpack(self, packed, info):
         return packed
+
+    def keeps_exact(self, info) -> bool:
+        return self.policy.keeps_exact(info)
 
 
 def fit_allocation(
@@ -235,7 +249,7 @@ def fit_allocation(
     """Measure each residual's sensitivity on ``fun(*args)`` and allocate (see `Compress.fit`)."""
     from tapegrad._transforms import grad
 
-    rec = _Recorder(policy._applies, policy.group, policy.inputs)
+    rec = _Recorder(policy)
     jax.eval_shape(grad(fun, argnums, policy=rec), *args)
     names = list(rec.seen)
     probed = [n for n in names if not rec.seen[n][1]]
@@ -246,7 +260,7 @@ def fit_allocation(
         words = np.random.default_rng(seed).integers(0, 2**32, (samples, 2), dtype=np.uint32)
 
         def sq_err(active, w, args, ref):
-            pol = _Probe(active, w, index, probe_bits, policy.group, policy.inputs)
+            pol = _Probe(active, w, index, probe_bits, policy)
             g = grad(fun, argnums, policy=pol)(*args)
             diffs = jax.tree_util.tree_map(lambda a, b: jnp.sum(jnp.square(a - b)), g, ref)
             return sum(jax.tree_util.tree_leaves(diffs))

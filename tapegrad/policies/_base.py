@@ -56,6 +56,16 @@ class ResidualInfo:
     # Steps that see identical data are told apart by it (a stochastic rounding that
     # seeds by the data alone would give them identical noise). Not compared or hashed.
     steps: tuple = field(default=(), compare=False)
+    # Every (record, Saved) that keeps this value, in forward order: a value several
+    # records keep is packed once, with the first's info, so a policy that depends on
+    # how the value is read (kept exact where backward divides by it) asks them all.
+    # Empty: only ``(record, saved)``.
+    readers: tuple = field(default=(), compare=False, repr=False)
+
+    @property
+    def savers(self) -> tuple:
+        """``readers``, or ``((record, saved),)`` when none were given."""
+        return self.readers or ((self.record, self.saved),)
 
     @property
     def nbytes(self) -> int:

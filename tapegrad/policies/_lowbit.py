@@ -18,6 +18,14 @@ the cost is a range at most ``|min| * 2**-7`` wider than the group's own (and a
 take 32 bytes, 4-bit 64, 8-bit 128, plus 4 bytes of ``low`` and ``scale``
 (~0.070x, ~0.133x, ~0.258x of the 512 float32 bytes).
 
+Zero-exact codes (``positive``), for a value ``>= 0`` whose zeros backward reads (relu's
+mask ``y > 0`` read off its output ``y`` instead of kept, `Saved.reads_positive`): code 0
+is exactly 0 and codes ``1 .. 2**bits - 1`` run from the group's least positive value
+``low`` to its max, with ``scale = (max - low) / (2**bits - 2)``. Positives never round
+to 0, so the mask read off the rounded value is relu's own; the price is one level fewer
+for the positives (at 2 bits, three levels instead of four), the saving 1 bit a value of
+mask.
+
 The noise. ``u`` comes from a counter-based hash of each value's position, seeded
 by a 32-bit hash of the policy's key, the residual's id (its record's index, the
 enclosing loops' indices, which of the record's values) and a digest of the
@@ -62,6 +70,8 @@ __all__ = [
     "residual_path",
     "key_words",
     "read_through_a_pole",
+    "pole",
+    "reads_positive",
 ]
 
 _KINDS = {"in": 0, "out": 1}
@@ -80,6 +90,8 @@ class LowBit:
     scale: Any
     bits: int = field(metadata=dict(static=True))
     layout: Layout = field(metadata=dict(static=True))
+    # Zero-exact codes (`pack_lowbit`'s ``positive``): code 0 is 0, codes 1.. from ``low``.
+    positive: bool = field(default=False, metadata=dict(static=True))
 
     def codes(self):
         """The codes ``q`` as uint8, shaped ``(*lead, groups, size)``."""
@@ -170,15 +182,27 @@ _POLES = frozenset(
 
 
 def read_through_a_pole(info) -> bool:
-    """Whether backward divides by this residual (see `_POLES`): rounding it would bias
-    the gradient, so low-bit compression keeps it exact."""
-    rec, saved = getattr(info, "record", None), getattr(info, "saved", None)
+    """Whether backward divides by this residual (see `_POLES`), through any of the
+    records that keep it (``info.savers``: the value is packed once, with its first
+    saver's info; a matmul may keep it before a log does): rounding it would bias the
+    gradient, so low-bit compression keeps it exact."""
+    return any(pole(rec, saved) for rec, saved in info.savers)
+
+
+def pole(rec, saved) -> bool:
+    """Whether ``rec``'s backward divides by its residual ``saved`` (`_POLES`)."""
     prim = getattr(rec, "primitive", None)
     if rec is None or prim is None or saved is None:
         return False
     if prim == "integer_pow":
         return saved.kind == "in" and int(rec.params.get("y", 0)) < 0
     return (prim, saved.kind, int(saved.index)) in _POLES
+
+
+def reads_positive(info) -> bool:
+    """Whether a record keeping this residual reads only where it is positive
+    (`Saved.reads_positive`: relu's mask off its output): packed with zero-exact codes."""
+    return any(getattr(s, "reads_positive", False) for _, s in info.savers)
 
 
 def key_words(key):
@@ -266,29 +290,47 @@ def _unpack_bits(words, bits: int):
     return q.reshape(*words.shape[:-1], words.shape[-1] * per)
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "lay"))
-def pack_lowbit(value, words, rid, *, bits: int, lay: Layout) -> LowBit:
+@functools.partial(jax.jit, static_argnames=("bits", "lay", "positive"))
+def pack_lowbit(value, words, rid, *, bits: int, lay: Layout, positive: bool = False) -> LowBit:
     ct = _compute_dtype(value.dtype)
     sd = _stats_dtype(ct)
     levels = 2**bits - 1
     x = to_groups(value.astype(ct), lay)  # edge-padded: the padding is no group's extreme
     lo, hi = jnp.min(x, axis=-1), jnp.max(x, axis=-1)
-    low = _round(lo, sd, up=False)
+    seed = _seed(jnp.asarray(words, jnp.uint32), jnp.uint32(rid), _digest(lo, hi))
+    if positive:
+        # Zero-exact codes for a value >= 0 whose positives backward reads (relu's mask
+        # off its output): code 0 is exactly 0, codes 1..levels run from the group's
+        # least positive value to its max, so positives stay positive. One level fewer
+        # for the positives. ``low`` is at least the smallest normal number (a positive
+        # below it comes back as it: a bias under 2**-126). A NaN counts as positive
+        # and makes low NaN: it and the group's positives decode to NaN (as every value
+        # of its group does in the plain codes), never to 0.
+        pos = ~(x <= 0)
+        least = jnp.min(jnp.where(pos, x, hi[..., None]), axis=-1)  # hi = 0 if none is
+        low = jnp.maximum(_round(least, sd, up=False), jnp.asarray(jnp.finfo(sd).tiny, sd))
+        levels -= 1
+    else:
+        low = _round(lo, sd, up=False)
     step = (hi - low.astype(ct)) / levels
     scale = _round(jnp.where(step > 0, step, 1), sd, up=True)
-    seed = _seed(jnp.asarray(words, jnp.uint32), jnp.uint32(rid), _digest(lo, hi))
     t = (x - low.astype(ct)[..., None]) / scale.astype(ct)[..., None]
     # Up with probability frac(t): floor(t + u) would round t + u itself (one ulp of t
     # is 2^-16 at t ~ 255), this compares in [0, 1) (bias under 2^-24 of a step).
     whole = jnp.floor(t)
-    up = _uniform(seed, t) < t - whole
-    q = jnp.clip(whole + up.astype(ct), 0, levels).astype(jnp.uint8)
-    return LowBit(_pack_bits(q, bits), low, scale, bits, lay)
+    r = whole + (_uniform(seed, t) < t - whole).astype(ct)
+    r = jnp.where(r > 0, jnp.minimum(r, levels), 0)  # NaN -> 0: a cast of NaN is undefined
+    q = jnp.where(pos, r + 1, 0) if positive else r
+    return LowBit(_pack_bits(q.astype(jnp.uint8), bits), low, scale, bits, lay, positive)
 
 
 @functools.partial(jax.jit, static_argnums=1)
 def unpack_lowbit(packed: LowBit, dtype):
     ct = _compute_dtype(dtype)
     q = packed.codes().astype(ct)
-    x = packed.low.astype(ct)[..., None] + q * packed.scale.astype(ct)[..., None]
+    low, scale = packed.low.astype(ct)[..., None], packed.scale.astype(ct)[..., None]
+    if packed.positive:
+        x = jnp.where(q > 0, low + (q - 1) * scale, 0)
+    else:
+        x = low + q * scale
     return from_groups(x, packed.layout).astype(dtype)

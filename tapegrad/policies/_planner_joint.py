@@ -153,16 +153,14 @@ def timeline(tape: Tape, prefetch: int = 0, memo: dict | None = None) -> Timelin
 def pole_keys(tape: Tape) -> frozenset:
     """Residual keys some record of ``tape`` divides by in backward: `compress(bits=...)`
     keeps them exact (the mean of ``1 / x`` over a rounding is not ``1 / x``)."""
-    from types import SimpleNamespace
-
-    from tapegrad.policies._lowbit import read_through_a_pole
+    from tapegrad.policies._lowbit import pole
 
     return frozenset(
         rec.residual_key(s)
         for rec in tape.records
         if rec.rule != "none"
         for s in rec.saves
-        if read_through_a_pole(SimpleNamespace(record=rec, saved=s))
+        if pole(rec, s)
     )
 
 

@@ -45,6 +45,7 @@ from tapegrad.policies._lowbit import (
     pack_lowbit,
     packed_nbytes,
     read_through_a_pole,
+    reads_positive,
     residual_id,
     residual_name,
     unpack_lowbit,
@@ -302,7 +303,12 @@ class Compress:
         """Whether every residual like ``info`` reaches backward unchanged, whichever
         record keeps it: integers and booleans, inputs (unless ``inputs=True``), values
         whose dtype is no larger than the target. (Divisors kept exact under ``bits=``
-        are not counted: that depends on the record reading them.)"""
+        are not counted: that depends on the record reading them.) Under ``bits=``, also
+        what ``info``'s record reads when that is only where the value is positive
+        (`Saved.reads_positive`: relu's mask off its output): the low-bit codes keep
+        zeros zero and positives positive for it (`_lowbit`'s zero-exact codes)."""
+        if self.bits is not None and getattr(info.saved, "reads_positive", False):
+            return True
         return not self._applies(info)
 
     def fit(
@@ -377,7 +383,8 @@ class Compress:
                 return value  # a few values: min and scale would cost more than they save
             words = key_words(0 if self.key is None else self.key)
             rid = residual_id(info)
-            return pack_lowbit(value, words, rid, bits=bits, lay=lay)
+            positive = reads_positive(info)
+            return pack_lowbit(value, words, rid, bits=bits, lay=lay, positive=positive)
         if not self.int8:
             if jnp.issubdtype(self.dtype, jnp.floating) and self.dtype.itemsize == 1:
                 # float8 has no inf; saturate instead of overflowing to NaN.

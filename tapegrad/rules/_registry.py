@@ -35,6 +35,8 @@ __all__ = [
 ]
 
 Ref = tuple[str, int]
+# a ref to a value read only where it is positive: (kind, i, "positive")
+PositiveRef = tuple[str, int, str]
 
 
 def parse_ref(s: str) -> Ref:
@@ -81,8 +83,9 @@ class Rule:
     # instead of its derived values (max's masks from its inputs x and y, relu's mask
     # from its output: ``x > 0`` is ``relu(x) > 0``), or None where it has no such form;
     # used when those values are kept anyway (`keeping_operands`); vjp then finds those
-    # derived values None.
-    plain: Callable[..., tuple[Ref, ...] | None] | None = None
+    # derived values None. A ref ``(kind, i, "positive")`` is read only where the value
+    # (>= 0) is positive (relu's output: `Saved.reads_positive`).
+    plain: Callable[..., tuple[Ref | PositiveRef, ...] | None] | None = None
 
 
 RULES: dict[str, Rule] = {}
@@ -168,10 +171,12 @@ def keeping_operands(rec):
     if refs is None:
         return None
     saves = []
-    for kind, i in refs:
+    for kind, i, *how in refs:
         v = rec.inputs[i] if kind == "in" else rec.outputs[i]
         if isinstance(v, Var):  # a literal lives in the program
-            saves.append(Saved(kind, i, tuple(v.shape), v.dtype, getattr(v, "sharding", None)))
+            sharding = getattr(v, "sharding", None)
+            positive = how == ["positive"]
+            saves.append(Saved(kind, i, tuple(v.shape), v.dtype, sharding, positive))
     return dataclasses.replace(rec, saves=tuple(saves))
 
 

@@ -45,11 +45,9 @@ import numpy as np
 from tapegrad import _jax_compat as compat
 from tapegrad._caches import BoundedCache, array_bytes
 from tapegrad.rules._bits import mask_aval, pack_mask, unpack_mask
-from tapegrad.rules._registry import Rule, defrule
+from tapegrad.rules._registry import PositiveRef, Ref, Rule, defrule
 
 __all__ = ["ClosesOverTracer", "expand_custom_jvp", "custom_jvp_rule_p"]
-
-Ref = tuple[str, int]
 
 
 # ---------------------------------------------------------------------------
@@ -481,20 +479,22 @@ def _saves(p, ins, outs, active) -> tuple[Ref, ...]:
     return tuple(dict.fromkeys(exp.refs[k] for k in res))
 
 
-def _plain(p, ins, outs, active) -> tuple[Ref, ...] | None:
+def _plain(p, ins, outs, active) -> tuple[Ref | PositiveRef, ...] | None:
     """What the record keeps when every derived residual it keeps is read off an output
     (`Expansion.from_output`: relu's mask ``x > 0`` off ``relu(x)``); None when one is
     not. Taken only where that output is kept anyway, unchanged (`keeping_operands`)."""
     exp: Expansion = p["rule"]
-    refs = []
+    refs: dict[Ref, bool] = {}  # -> read only where positive (relu's ``y > 0``, y >= 0)
     for kind, k in _saves(p, ins, outs, active):
+        positive = False
         if kind == "aux":
             alt = exp.from_output[k] if k < len(exp.from_output) else None
             if alt is None:
                 return None
             kind, k = "out", alt[0]
-        refs.append((kind, k))
-    return tuple(dict.fromkeys(refs))
+            positive = alt[1].name == "gt" and np.ndim(alt[2]) == 0 and alt[2] == 0
+        refs[(kind, k)] = refs.get((kind, k), True) and positive
+    return tuple((*ref, "positive") if pos else ref for ref, pos in refs.items())
 
 
 def _is_mask(aval) -> bool:

@@ -399,10 +399,10 @@ def _relu_records(tape):
 
 def test_relu_records_keep_a_packed_mask():
     """Each relu keeps its own mask, bit-packed (32 bools a row in 4 bytes), where the next
-    matmul keeps relu's output only as a rounded value (`compress(bits=2)`): a mask read
+    matmul keeps relu's output only as a rounded value (`compress("int8")`): a mask read
     off that output would be wrong where small positives round to 0."""
     ws, x = _mlp_args(width=32, depth=4, batch=8)
-    policy = tg.policies.compress(bits=2, key=0)
+    policy = tg.policies.compress("int8")
     tape = tg.trace(_relu_mlp, argnums=(0, 1), policy=policy)(ws, x)
     relus = _relu_records(tape)
     assert len(relus) == len(ws)

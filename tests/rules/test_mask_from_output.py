@@ -3,7 +3,8 @@
 ``jax.nn.relu``'s mask ``x > 0`` is ``relu(x) > 0``, NaN included (``relu(nan)`` is
 NaN, and both comparisons are False there): where the next matmul keeps relu's output
 for its weight gradient, relu keeps nothing of its own under an exact policy. Under a
-lossy one that output is rounded, and the mask must stay.
+lossy one that output is rounded, and the mask must stay, unless the rounding keeps
+zeros zero and positives positive (`compress(bits=...)`'s zero-exact codes).
 """
 
 from __future__ import annotations
@@ -179,21 +180,17 @@ def test_a_relu_whose_output_is_a_tape_output():
 
 
 def test_a_lossy_policy_keeps_the_mask():
-    """compress(bits=2) rounds relu's output: small positives may round to 0 or below,
-    so the mask stays, and the gradient is the mask-keeping one, bit for bit."""
+    """compress(bfloat16) and compress("int8") round relu's output: small positives may
+    round to 0, so the mask stays, and the gradient is the mask-keeping one, bit for bit.
+    (Low-bit codes keep zeros zero and positives positive: tests/policies/
+    test_compress_zero_exact.py.)"""
     p, x = params(), batch()
-    policy = tg.policies.compress(bits=2, key=jax.random.key(7))
-    with masks_kept():
-        want = _vjp_grad(mlp, policy=policy)(p, x)
-        want_jit = jax.jit(_vjp_grad(mlp, policy=policy))(p, x)
-    tape = tg.trace(mlp, argnums=(0, 1), policy=policy)(p, x)
-    assert [_saves(r) for r in _relus(tape)] == [[("aux", 0, U8)]] * 2
-    _equal(_vjp_grad(mlp, policy=policy)(p, x), want)
-    _equal(jax.jit(_vjp_grad(mlp, policy=policy))(p, x), want_jit)
-    # bfloat16 rounds float32 outputs as well
-    bf16 = tg.policies.compress(jnp.bfloat16)
-    tape = tg.trace(mlp, argnums=(0, 1), policy=bf16)(p, x)
-    assert [_saves(r) for r in _relus(tape)] == [[("aux", 0, U8)]] * 2
+    for policy in (tg.policies.compress(jnp.bfloat16), tg.policies.compress("int8")):
+        with masks_kept():
+            want = _vjp_grad(mlp, policy=policy)(p, x)
+        tape = tg.trace(mlp, argnums=(0, 1), policy=policy)(p, x)
+        assert [_saves(r) for r in _relus(tape)] == [[("aux", 0, U8)]] * 2
+        _equal(_vjp_grad(mlp, policy=policy)(p, x), want)
 
 
 def test_a_lossy_policy_that_keeps_the_output_unchanged_reads_the_mask_off_it():
@@ -275,7 +272,8 @@ def test_a_mask_is_never_read_off_a_rounded_operand(op):
 def test_a_loop_body_never_reads_a_mask_off_a_rounded_value(op):
     """Inside a scan body as at the top: the body's records keep their masks under a
     policy that rounds the value they would read them off (compress(bits=2)), and
-    switch to that value under save(), where it comes back unchanged."""
+    switch to that value under save(), where it comes back unchanged; relu switches
+    under both (its output's codes keep zeros zero, positives positive)."""
     clip = {
         "max": lambda h: jnp.maximum(h, 0.0),
         "clamp": lambda h: jax.lax.clamp(-0.5, h, 0.5),
@@ -302,7 +300,9 @@ def test_a_loop_body_never_reads_a_mask_off_a_rounded_value(op):
         (rec,) = [r for r in loop.bodies[0].records if r.primitive == prim]
         return [s.kind for s in rec.saves]
 
-    assert set(body_saves(tg.trace(f, policy=policy)(xs))) == {"aux"}
+    # relu alone reads its mask off its output's codes, which keep zeros and positives
+    rounded = {"out"} if op == "relu" else {"aux"}
+    assert set(body_saves(tg.trace(f, policy=policy)(xs))) == rounded
     assert "aux" not in body_saves(tg.trace(f)(xs))  # save(): off the kept value
     want = jax.grad(f)(xs)
     _equal(tg.grad(f, policy=policy)(xs), want)
