@@ -4,7 +4,8 @@
 
 Models: an 8-layer MLP (256 wide, batch 256) with tanh, the same with ReLU written as
 ``jnp.where(z > 0, z, 0)`` (backward keeps a boolean mask and the dot inputs, so every
-float residual is used linearly), and a small NHWC CNN (conv-ReLU x2, 32x32x3 images,
+float residual is used linearly), the same with ``jax.nn.relu`` (its mask read off its
+output: under ``bits=`` off the output's zero-exact codes), and a small NHWC CNN (conv-ReLU x2, 32x32x3 images,
 batch 64, 16 and 32 channels, dense head). Policies: save(), bf16, int8, bits=8/4/2,
 and ``bits="auto"`` at 3 and 4 bits a value (``auto=3``, ``auto=4``: fitted on the model's
 own loss and arguments first, `Compress.fit`, 4 samples; its time is printed apart).
@@ -18,6 +19,7 @@ own loss and arguments first, `Compress.fit`, 4 samples; its time is printed apa
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import statistics
 import time
@@ -109,7 +111,9 @@ def rel_err(g, ref) -> float:
     return (num / sum(float(jnp.sum(b**2)) for b in rl)) ** 0.5
 
 
-def run(name, loss, args, reps):
+def _run(name, loss, args, reps, only=None):
+    if only and not any(o in name for o in only):
+        return
     print(f"\n{name}")
     print(f"  {'policy':8} {'held B':>10} {'save/held':>9} {'step ms':>8} {'x save':>7} {'err':>8}")
     ref = jax.jit(jax.grad(loss, argnums=(0, 1)))(*args)
@@ -134,10 +138,13 @@ def run(name, loss, args, reps):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", nargs="*", help="models whose name contains one of these")
     a = ap.parse_args()
     reps = 5 if a.quick else 30
+    run = functools.partial(_run, only=a.only)
     run("MLP 8x256, batch 256, tanh", mlp(jnp.tanh), mlp_args(), reps)
     run("MLP 8x256, batch 256, ReLU (where)", mlp(relu_where), mlp_args(), reps)
+    run("MLP 8x256, batch 256, jax.nn.relu", mlp(jax.nn.relu), mlp_args(), reps)
     run("CNN conv16-relu-conv32/2-relu-dense, 64x32x32x3", cnn_loss, cnn_args(), reps)
 
 

@@ -296,8 +296,7 @@ def pack_lowbit(value, words, rid, *, bits: int, lay: Layout, positive: bool = F
     sd = _stats_dtype(ct)
     levels = 2**bits - 1
     x = to_groups(value.astype(ct), lay)  # edge-padded: the padding is no group's extreme
-    lo, hi = jnp.min(x, axis=-1), jnp.max(x, axis=-1)
-    seed = _seed(jnp.asarray(words, jnp.uint32), jnp.uint32(rid), _digest(lo, hi))
+    hi = jnp.max(x, axis=-1)
     if positive:
         # Zero-exact codes for a value >= 0 whose positives backward reads (relu's mask
         # off its output): code 0 is exactly 0, codes 1..levels run from the group's
@@ -307,11 +306,13 @@ def pack_lowbit(value, words, rid, *, bits: int, lay: Layout, positive: bool = F
         # and makes low NaN: it and the group's positives decode to NaN (as every value
         # of its group does in the plain codes), never to 0.
         pos = ~(x <= 0)
-        least = jnp.min(jnp.where(pos, x, hi[..., None]), axis=-1)  # hi = 0 if none is
-        low = jnp.maximum(_round(least, sd, up=False), jnp.asarray(jnp.finfo(sd).tiny, sd))
+        lo = jnp.min(jnp.where(pos, x, hi[..., None]), axis=-1)  # hi = 0 if none is
+        low = jnp.maximum(_round(lo, sd, up=False), jnp.asarray(jnp.finfo(sd).tiny, sd))
         levels -= 1
     else:
+        lo = jnp.min(x, axis=-1)
         low = _round(lo, sd, up=False)
+    seed = _seed(jnp.asarray(words, jnp.uint32), jnp.uint32(rid), _digest(lo, hi))
     step = (hi - low.astype(ct)) / levels
     scale = _round(jnp.where(step > 0, step, 1), sd, up=True)
     t = (x - low.astype(ct)[..., None]) / scale.astype(ct)[..., None]
