@@ -1,14 +1,15 @@
 """Low-bit residual compression vs save(): activation bytes held and jitted step time.
 
-    python bench/lowbit_bench.py [--quick]
+    python bench/lowbit_bench.py [--quick] [--only relu CNN ...]
 
 Models: an 8-layer MLP (256 wide, batch 256) with tanh, the same with ReLU written as
 ``jnp.where(z > 0, z, 0)`` (backward keeps a boolean mask and the dot inputs, so every
 float residual is used linearly), the same with ``jax.nn.relu`` (its mask read off its
-output: under ``bits=`` off the output's zero-exact codes), and a small NHWC CNN (conv-ReLU x2, 32x32x3 images,
-batch 64, 16 and 32 channels, dense head). Policies: save(), bf16, int8, bits=8/4/2,
-and ``bits="auto"`` at 3 and 4 bits a value (``auto=3``, ``auto=4``: fitted on the model's
-own loss and arguments first, `Compress.fit`, 4 samples; its time is printed apart).
+output: under ``bits=`` off the output's zero-exact codes), and a small NHWC CNN
+(conv-ReLU x2, 32x32x3 images, batch 64, 16 and 32 channels, dense head). Policies:
+save(), bf16, int8, bits=8/4/2, and ``bits="auto"`` at 3 and 4 bits a value (``auto=3``,
+``auto=4``: fitted on the model's own loss and arguments first, `Compress.fit`, 4
+samples; its time is printed apart).
 
 * held: bytes that `tg.vjp`'s forward leaves alive beyond the inputs and the output,
   from `jax.live_arrays()` (what backward adds to the caller's memory); ratio = save's / it.

@@ -177,3 +177,43 @@ def test_bits_auto_fits_and_packs_the_same_residuals():
     assert any(n.endswith("out0") for n in names)  # relu's output, its first saver
     gh, _ = tg.grad(layers, argnums=(0, 2), policy=policy)(*args)
     np.testing.assert_allclose(gh, jax.grad(layers)(*args), rtol=1e-6, atol=1e-6)
+
+
+_SHARDED = """
+import numpy as np, jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P, AxisType
+import tapegrad as tg
+
+def loss(p, x):
+    return jnp.mean((jax.nn.relu(x @ p["w1"]) @ p["w2"]) ** 2)
+
+rng = np.random.RandomState(0)
+for kind in (AxisType.Explicit, AxisType.Auto):
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(kind, kind))
+    put = lambda a, spec: jax.device_put(np.float32(a), NamedSharding(mesh, spec))
+    p = {"w1": put(rng.randn(16, 256) * 0.3, P(None, "model")),
+         "w2": put(rng.randn(256, 8) * 0.3, P())}
+    x = put(rng.randn(64, 16), P("data", None))
+    policy = tg.policies.compress(bits=2, key=1)
+    with jax.set_mesh(mesh):
+        tape = tg.trace(loss, policy=policy)(p, x)
+        (relu,) = [r for r in tape.records if r.params.get("name") == "relu"]
+        assert [(s.kind, s.reads_positive) for s in relu.saves] == [("out", True)], relu.saves
+        eager = (tg.grad(loss, policy=policy)(p, x), jax.grad(loss)(p, x))
+        jit = (jax.jit(tg.grad(loss, policy=policy))(p, x), jax.jit(jax.grad(loss))(p, x))
+        for g, want in (eager, jit):
+            for k in g:
+                assert g[k].sharding.is_equivalent_to(want[k].sharding, g[k].ndim), (kind, k)
+                err = float(jnp.linalg.norm(g[k] - want[k]) / jnp.linalg.norm(want[k]))
+                assert np.isfinite(err) and err < 0.5, (kind, k, err)
+print("OK")
+"""
+
+
+def test_zero_exact_codes_keep_shardings_on_8_devices():
+    """Explicit and Auto meshes, eagerly and under jit: relu reads its mask off the codes,
+    and the gradients have jax.grad's shardings."""
+    from conftest import run_on_8_cpu_devices
+
+    out = run_on_8_cpu_devices(_SHARDED)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
