@@ -249,7 +249,7 @@ def forward(
         store[var_id] = (
             value
             if plain or var_id in forwarded
-            else _pack(res, rec, var_id, Saved("in", i, u.shape, u.dtype), value)
+            else _pack(res, rec, var_id, Saved("in", i, u.shape, u.dtype), value, True)
         )
 
     for v in list(tape.inputs) + [c for c, _ in tape.consts]:
@@ -301,10 +301,18 @@ def forward(
     return outs, res
 
 
-def _pack(res: Residuals, rec: Record, key, s, value):
+def _pack(res: Residuals, rec: Record, key, s, value, segment_input: bool = False):
     readers = res.readers.get(key, ())
     info = ResidualInfo(
-        rec, s, s.shape, s.dtype, key in res.input_ids, res.loops, res.steps, readers
+        rec,
+        s,
+        s.shape,
+        s.dtype,
+        key in res.input_ids,
+        res.loops,
+        res.steps,
+        readers,
+        segment_input,
     )
     # Backward's copy forgets the steps: inside a traced scan they are the forward
     # body's tracers.

@@ -187,10 +187,13 @@ class _Recorder:
         if self.applies(info):
             value = as_array(value, info)
             lay = lowbit_layout(value, LADDER[0], self.group)
-            # kept as it is: too small to shrink, or read through a pole (compress's pack)
-            fixed = packed_nbytes(
-                lay, LADDER[0], value.dtype
-            ) >= info.nbytes or read_through_a_pole(info)
+            # kept as it is (compress's pack): too small to shrink, read through a pole,
+            # or a recomputed segment's input
+            fixed = (
+                packed_nbytes(lay, LADDER[0], value.dtype) >= info.nbytes
+                or read_through_a_pole(info)
+                or info.segment_input
+            )
             self.seen.setdefault(residual_name(info), (info, fixed))
         return value
 

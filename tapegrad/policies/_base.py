@@ -61,6 +61,9 @@ class ResidualInfo:
     # how the value is read (kept exact where backward divides by it) asks them all.
     # Empty: only ``(record, saved)``.
     readers: tuple = field(default=(), compare=False, repr=False)
+    # The input of a recomputed segment: backward re-runs records from this value, so a
+    # rounding of it would reach every recomputed value (`compress(bits=...)` keeps it).
+    segment_input: bool = False
 
     @property
     def savers(self) -> tuple:

@@ -373,8 +373,11 @@ class Compress:
             return value
         value = as_array(value, info)  # an input may be a Python or numpy scalar
         if self.bits is not None:
-            if read_through_a_pole(info):
-                return value  # backward divides by it: rounding would bias the gradient
+            if read_through_a_pole(info) or info.segment_input:
+                # backward divides by it: rounding would bias the gradient; or re-runs
+                # records from it: every recomputed value would carry the rounding,
+                # through nonlinear records, where it is no longer right on average
+                return value
             bits = self._auto_bits(info) if self.bits == "auto" else self.bits
             if bits >= np.dtype(value.dtype).itemsize * 8:
                 return value  # the allocation keeps it as it is
