@@ -12,9 +12,13 @@ import dataclasses
 import math
 import weakref
 from collections.abc import Callable, Sequence
+from types import MappingProxyType
+
+import numpy as np
 
 from tapegrad._tape import Record, Saved, Tape, Var
 from tapegrad.policies._base import ResidualInfo
+from tapegrad.rules._bits import mask_aval
 from tapegrad.rules._registry import keeping_operands
 
 __all__ = ["RANDOM", "rebuilt_records", "shared_in_body", "switched"]
@@ -178,9 +182,17 @@ def _rebuilt_once(
         info = ResidualInfo(reader, saved, u.shape, u.dtype, p is None)
         return kept_exact(info)
 
+    users: dict[int, list[Record]] = {}
+    for rec in tape.records:
+        for u in rec.inputs:
+            if isinstance(u, Var):
+                users.setdefault(u.id, []).append(rec)
+
     plain: dict[int, Record] = {}
     for rec in tape.records:
-        if rec.rule in ("rule", "linearized") and decisions[rec.index] == "save":
+        if rec.index in plain:  # a max-pool switched with the relu before it
+            rec = plain[rec.index]
+        elif rec.rule in ("rule", "linearized") and decisions[rec.index] == "save":
             # The values its masks are read off are rebuilt (or kept) anyway: keep those
             # instead, for free. An output counts only when kept by a record (relu's, by
             # the next matmul) and unchanged: a mask read off a rounded output is wrong
@@ -192,6 +204,10 @@ def _rebuilt_once(
             ):
                 plain[rec.index] = rec = alt
                 saved.update(rec.residual_key(s) for s in rec.saves)
+            elif alt is not None and not rec.names:
+                pair = _relu_into_pool(rec, alt, users, outputs, decisions)
+                if pair is not None:
+                    rec, pool = plain[rec.index], plain[pair[1].index] = pair
         if not (
             (rec.primitive in _REBUILDABLE or rec.primitive in RANDOM)
             and rec.index not in banned
@@ -219,6 +235,49 @@ def _rebuilt_once(
                 if isinstance(u, Var) and u.id in producer and producer[u.id].index in rebuilt:
                     stack.append(producer[u.id].index)
     return needed, plain, saved
+
+
+def _relu_into_pool(
+    relu: Record, alt: Record, users: dict[int, list[Record]], outputs: set[int], decisions
+) -> tuple[Record, Record] | None:
+    """A relu whose output only a max-pool reads keeps no mask: the pool keeps, beside
+    which element each window picked, whether that element is positive (1 bit per
+    output), and masks its cotangent by it before scattering.
+
+    Exact: the pool's cotangent reaches only the picked elements, and there relu's mask
+    ``z > 0`` is ``relu(z) > 0``, the picked value's sign (NaN included: a window with a
+    NaN still picks what XLA's select-and-scatter picks). Elsewhere the cotangent is 0
+    whatever the mask. The same selects as jax's relu, so the gradient is jax.grad's, bit
+    for bit, under every policy (the mask is exact bits). A 2x2 pool: 1 bit per output
+    instead of 1 per input, 4. Only where the pool has fewer outputs than inputs.
+
+    Returns the two records switched (``params``: ``mask_in_pool`` on the relu,
+    ``relu_mask`` on the pool), or None."""
+    if [(s.kind, s.index, s.reads_positive) for s in alt.saves] != [("out", 0, True)]:
+        return None
+    (y,) = relu.outputs
+    readers = users.get(y.id, [])
+    if y.id in outputs or len(readers) != 1 or relu.inputs[-1].shape != y.shape:
+        return None
+    (pool,) = readers
+    if not (
+        pool.primitive == "reduce_window_max"
+        and pool.rule == "rule"
+        and decisions[pool.index] == "save"
+        and isinstance(pool.inputs[0], Var)
+        and pool.inputs[0].id == y.id
+        and [s.kind for s in pool.saves] == ["aux"]
+        and math.prod(pool.outputs[0].shape) < math.prod(y.shape)
+    ):
+        return None
+    (out,) = pool.outputs
+    sharding = getattr(out, "sharding", None)
+    m = mask_aval(out.shape, sharding)
+    mine = Saved("aux", 1, tuple(m.shape), np.dtype(m.dtype), sharding)
+    params = MappingProxyType({**pool.params, "relu_mask": True})
+    pool = dataclasses.replace(pool, saves=pool.saves + (mine,), params=params)
+    params = MappingProxyType({**relu.params, "mask_in_pool": True})
+    return dataclasses.replace(relu, saves=(), params=params), pool
 
 
 def shared_in_body(body: Tape, kept_exact: Callable[[ResidualInfo], bool] | None) -> Tape:

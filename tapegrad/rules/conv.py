@@ -30,7 +30,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from tapegrad.rules._bits import codes_aval, pack_codes, unpack_codes
+from tapegrad.rules._bits import (
+    codes_aval,
+    mask_aval,
+    pack_codes,
+    pack_mask,
+    unpack_codes,
+    unpack_mask,
+)
 from tapegrad.rules._registry import Rule, defrule, defvjp
 from tapegrad.rules.control import FALLBACK
 
@@ -260,6 +267,10 @@ def _choice(x, y, init, p):
 
 
 def _selected(x, p, select):
+    return _picked(x, p, select)[0]
+
+
+def _picked(x, p, select):
     """Per output, the row-major index of the window element XLA's select-and-scatter
     (jax's max/min-pool backward) picks: the first element, replaced by each later one
     for which ``select(picked, element)`` fails (``ge`` for max, ``le`` for min). Without
@@ -269,7 +280,7 @@ def _selected(x, p, select):
     full, out, offsets = _geometry(x.shape, p)
     dt = _choice_dtype(p)
     if 0 in out:
-        return jnp.full(out, len(offsets), dt)
+        return jnp.full(out, len(offsets), dt), jnp.zeros(out, x.dtype)
     ident = np.array(-np.inf if select is lax.ge else np.inf, x.dtype)
     cfg = [(lo, hi, b - 1) for (lo, hi), b in zip(p["padding"], p["base_dilation"])]
     xp = lax.pad(x, ident, cfg)
@@ -283,7 +294,7 @@ def _selected(x, p, select):
         take = lax.bitwise_not(select(picked, part))
         picked = lax.select(take, part, picked)
         choice = lax.select(take, jnp.full(out, k, dt), choice)
-    return choice
+    return choice, picked
 
 
 def _chosen_ct(g, choice, in_shape, p):
@@ -311,18 +322,28 @@ def _chooser_rule(name, select):
     def window(p):
         return math.prod(p["window_dimensions"])
 
+    # With ``relu_mask`` (`_rebuild._relu_into_pool`: the relu before it keeps no mask),
+    # also whether each picked element is positive, and the cotangent masked by it.
     def derive(rec, ins):
         y = rec.prim.bind(*ins, **rec.bind_params)
         if not rec.saves:
             return [y], [None]
-        return [y], [pack_codes(_selected(ins[0], rec.params, select), window(rec.params))]
+        choice, picked = _picked(ins[0], rec.params, select)
+        aux = [pack_codes(choice, window(rec.params))]
+        if rec.params.get("relu_mask"):
+            aux.append(pack_mask(picked > 0))
+        return [y], aux
 
     def avals(p, in_avals, out_avals, active):
         o = out_avals[0]
-        return [codes_aval(o.shape, window(p), _choice_dtype(p), getattr(o, "sharding", None))]
+        sharding = getattr(o, "sharding", None)
+        avals = [codes_aval(o.shape, window(p), _choice_dtype(p), sharding)]
+        return avals + [mask_aval(o.shape, sharding)] if p.get("relu_mask") else avals
 
     def ct(g, r, p):
         shape = r.out_avals[0].shape
+        if p.get("relu_mask"):
+            g = lax.select(unpack_mask(r.aux[1], shape), g, jnp.zeros_like(g))
         choice = unpack_codes(r.aux[0], shape, window(p), _choice_dtype(p))
         return _chosen_ct(g, choice, r.in_avals[0].shape, p)
 

@@ -529,6 +529,11 @@ def _derive(rec, ins):
 
 def _vjp(p, r, cts, active):
     exp: Expansion = p["rule"]
+    if p.get("mask_in_pool"):
+        # relu before a max-pool that applies its mask (`_rebuild._relu_into_pool`): the
+        # cotangent is already 0 wherever the mask is
+        nc = exp.call_params["num_consts"]
+        return [cts[0] if i == nc and a else None for i, a in enumerate(active)]
     lin = exp.linear
     act = _active_tangents(exp, active)
     out: list[Any] = [None] * len(active)

@@ -308,3 +308,71 @@ def test_a_loop_body_never_reads_a_mask_off_a_rounded_value(op):
     _equal(tg.grad(f, policy=policy)(xs), want)
     _equal(jax.jit(tg.grad(f, policy=policy))(xs), jax.jit(jax.grad(f))(xs))
     _equal(tg.grad(f)(xs), want)
+
+
+def _pool(window, stride, padding):
+    def pool(h):
+        return jax.lax.reduce_window(
+            h, -jnp.inf, jax.lax.max, (1, *window, 1), (1, *stride, 1), padding
+        )
+
+    return pool
+
+
+def _pool_input():
+    """relu's inputs at the edges (each edge value in whole windows and beside others,
+    ties of equal values), then random values: (4, 6, 6, 3)."""
+    z = jax.random.normal(jax.random.key(4), (4, 6, 6, 3))
+    edges = jnp.asarray(EDGES, jnp.float32)
+    z = z.at[0, :3, :3, 0].set(edges.reshape(3, 3))
+    z = z.at[1].set(jnp.tile(edges[:, None, None], (1, 1, 3))[:6].reshape(6, 1, 3))
+    z = z.at[2, :, :, 1].set(0.5)  # ties everywhere
+    return z.at[3, :2, :2, :].set(-0.0)
+
+
+@pytest.mark.parametrize(
+    "window, stride, padding",
+    [((2, 2), (2, 2), "VALID"), ((3, 3), (2, 2), "SAME"), ((3, 2), (2, 1), "VALID")],
+)
+def test_relu_before_a_max_pool_keeps_no_mask(window, stride, padding):
+    """The pool keeps whether each picked element is positive, 1 bit per output, and
+    relu keeps nothing (`_rebuild._relu_into_pool`): the gradient is jax.grad's, bit for
+    bit, at relu's kink, with NaN, infinities, ties and overlapping windows, under
+    save() and (for the input's gradient, which reads only masks and w) under lossy
+    policies."""
+    pool = _pool(window, stride, padding)
+
+    def f(z, w):
+        return jnp.sum(pool(jax.nn.relu(z)) @ w)
+
+    z, w = _pool_input(), jax.random.normal(jax.random.key(5), (3, 2))
+    want = jax.grad(f, argnums=(0, 1))(z, w)
+    _equal(_vjp_grad(f)(z, w), want)
+    _equal(tg.grad(f, argnums=(0, 1))(z, w), want)
+    _equal(jax.jit(tg.grad(f, argnums=(0, 1)))(z, w), jax.jit(jax.grad(f, argnums=(0, 1)))(z, w))
+    for policy in (tg.policies.compress(bits=2), tg.policies.compress("int8")):
+        _equal(tg.grad(f, argnums=(0, 1), policy=policy)(z, w)[0], want[0])
+    rows = list(tg.memory_report(f, argnums=(0, 1))(z, w).rows())
+    assert not [r for r in rows if r.primitive == "custom_jvp_rule"]  # relu keeps nothing
+    (row,) = [r for r in rows if r.primitive == "reduce_window_max"]
+    assert row.saves.startswith("aux0,aux1")
+    one = lambda z, w: f(z[None], w)  # noqa: E731  (vmap of per-example gradients)
+    _equal(
+        jax.vmap(tg.grad(one, argnums=(0, 1)), in_axes=(0, None))(z, w),
+        jax.vmap(jax.grad(one, argnums=(0, 1)), in_axes=(0, None))(z, w),
+    )
+
+
+def test_relu_keeps_its_mask_before_a_pool_as_large_as_its_input_or_read_twice():
+    def same(z):  # stride 1, SAME: as many outputs as inputs, no bits to save
+        return jnp.sum(jnp.sin(_pool((3, 3), (1, 1), "SAME")(jax.nn.relu(z))))
+
+    def twice(z):  # relu's output read by the pool and by the sum
+        h = jax.nn.relu(z)
+        return jnp.sum(jnp.sin(_pool((2, 2), (2, 2), "VALID")(h))) + jnp.sum(h * 2.0)
+
+    z = _pool_input()
+    for fn in (same, twice):
+        rows = tg.memory_report(fn)(z).rows()
+        assert [r.saves for r in rows if r.primitive == "custom_jvp_rule"] == ["aux0"]
+        _equal(tg.grad(fn)(z), jax.grad(fn)(z))
