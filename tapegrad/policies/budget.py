@@ -473,7 +473,8 @@ class Budget:
     ) -> list[list[Any]]:
         """`_planner_search.descend_joint` from the fastest completed candidate, from
         the hand-written policies' plans (`_planner_search.CLASSES`; repaired first
-        where they do not fit), then from the second fastest, sharing `JOINT_WORK`
+        where they do not fit), then from the second fastest, when some candidate fits,
+        sharing `JOINT_WORK`
         record-evaluations (none on tapes over `JOINT_RECORDS` records, nor on the
         chains `_planner_chain_joint` plans exactly): the plans it improves, scored
         like the others."""
@@ -506,6 +507,11 @@ class Budget:
             return got
 
         fitting = sorted((c for c in scored if c[0] is not None), key=lambda c: c[0])
+        if not fitting:
+            # Nothing to improve on: `_plan_joint` tries prefetch 0 next, or gives up.
+            # (Repairing from the class plans instead spent ~2 s CPU below the floor of
+            # the bench's 69-record DAG, and fitted nothing.)
+            return []
         starts = [(c[2], c[3]) for c in fitting[:1]]
         starts += [
             (sc.with_fixed("save" if keep(r) else "recompute" for r in tape.records), name)
@@ -513,7 +519,7 @@ class Budget:
             if name in JOINT_CLASSES
         ]
         starts += [(c[2], c[3]) for c in fitting[1:2]]
-        best = fitting[0][0] if fitting else math.inf
+        best = fitting[0][0]
         out: list[list[Any]] = []
         for start, family in starts:
             if left <= 1:
