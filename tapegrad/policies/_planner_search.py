@@ -19,6 +19,11 @@ Candidate families (the planner keeps the fitting plan with the least flops):
   the most peak bytes per flop, re-scored each step, until the plan fits;
 * *refinement*: from the best plan, give records back to "save", largest
   recompute cost first, while the plan still fits.
+
+The joint planner (`budget.Budget._plan_joint`) completes those plans with
+per-residual mechanisms, then searches around the best completed ones with
+`descend_joint`: the same save/recompute decisions, scored by the predicted step time
+(recompute plus mechanisms) instead of by flops under the budget.
 """
 
 from __future__ import annotations
@@ -29,7 +34,16 @@ from typing import Any
 from tapegrad._tape import Record, Tape, Var
 from tapegrad.policies._planner_fast import TapeIndex
 
-__all__ = ["Scorer", "CLASSES", "class_plans", "cut_plans", "ratio_plans", "descend", "refine"]
+__all__ = [
+    "Scorer",
+    "CLASSES",
+    "class_plans",
+    "cut_plans",
+    "ratio_plans",
+    "descend",
+    "refine",
+    "descend_joint",
+]
 
 # Cheap ops: recomputing them costs little next to what storing their outputs costs.
 _CHEAP = frozenset(
@@ -413,6 +427,68 @@ def refine(sc: Scorer, starts: int = 2, max_tries: int = 512, patience: int = 96
                 misses += 1
                 if misses >= patience:
                     break
+
+
+def descend_joint(
+    sc: Scorer,
+    start: Sequence[str],
+    cost: Callable[[tuple[str, ...], tuple[int, float] | None], tuple[int, float]],
+    max_evals: int,
+    runs: Sequence[int] = (1, 2, 3, 4),
+) -> tuple[tuple[str, ...], tuple[int, float], int]:
+    """First-improvement local search over save/recompute decisions scored by ``cost``
+    (decisions -> ``(0, predicted step time)`` when mechanisms fit the budget, else
+    ``(1, bytes over it)``: a start that does not fit is repaired first), from
+    ``start``: (best decisions, their cost, evaluations spent). ``cost``'s second
+    argument is the score to beat (None: none): it may answer any score not below it
+    once it knows the plan cannot beat it.
+
+    Moves, in sweeps until one improves nothing or ``max_evals`` is spent: flip one free
+    record (recomputed ones back to "save" first, costliest first; then saved ones to
+    "recompute", most activation bytes per flop first), then set runs of 2..4 records
+    adjacent on the tape to one decision. The flops-only searches above cannot see that
+    a record kept (and offloaded or compressed) may cost less than its recomputation,
+    or that recomputing a cheap record may spare a costly conversion elsewhere; this
+    scores exactly that. Deterministic: the order depends on the tape only."""
+    from tapegrad.policies.budget import record_flops
+
+    def better(a: tuple[int, float], b: tuple[int, float]) -> bool:
+        return a[0] < b[0] or (a[0] == b[0] and a[1] < b[1] * (1 - 1e-9))
+
+    cur = sc.with_fixed(start)
+    best = cost(cur, None)
+    evals = 1
+    free = [i for i in range(sc.n) if sc.fixed[i] is None]
+    flops = {i: record_flops(sc.tape.records[i]) for i in free}
+    act = _activation_bytes(sc)[0]
+    tried: set[tuple[str, ...]] = {cur}
+    improved = True
+    while improved and evals < max_evals:
+        improved = False
+        back = sorted((i for i in free if cur[i] == "recompute"), key=lambda i: -flops[i])
+        out = sorted(
+            (i for i in free if cur[i] == "save" and act[i] > 0),
+            key=lambda i: -act[i] / max(flops[i], 1.0),
+        )
+        moves: list[tuple[int, int, str]] = [(i, 1, "save") for i in back]
+        moves += [(i, 1, "recompute") for i in out]
+        for length in runs:
+            if length > 1:
+                moves += [
+                    (i, length, v) for i in range(sc.n - length + 1) for v in ("save", "recompute")
+                ]
+        for i, length, v in moves:
+            if evals >= max_evals:
+                break
+            trial = sc.with_fixed(cur[:i] + (v,) * length + cur[i + length :])
+            if trial in tried:
+                continue
+            tried.add(trial)
+            evals += 1
+            t = cost(trial, best)
+            if better(t, best):
+                cur, best, improved = trial, t, True
+    return cur, best, evals
 
 
 def structure_key(tape: Tape, fixed: Sequence[Any]) -> tuple:

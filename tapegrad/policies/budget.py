@@ -326,8 +326,9 @@ class Budget:
         bytes left for offload/compress to remove), each completed with per-residual
         mechanisms (`_planner_joint`, or the exact `_planner_ilp` on small tapes); on a
         chain also the exact joint program (`_planner_chain_joint`: both chosen at once),
-        on small tapes the plan of the joint ILP (`_planner_ilp_joint`); the least
-        predicted step time that fits wins."""
+        on small tapes the plan of the joint ILP (`_planner_ilp_joint`); then, on tapes
+        up to `JOINT_RECORDS` records, a local search over save/recompute scored by
+        predicted step time (`_descend`); the least predicted step time that fits wins."""
         import numpy as np
 
         from tapegrad.policies import _planner_joint as joint
@@ -439,6 +440,7 @@ class Budget:
             rec_s = costs.recompute_s(tl.recompute_flops)
             total = rec_s + joint.evaluate(tl, opts, choice)[1] if choice is not None else None
             scored.append([total, rec_s, dec, family, "greedy", tl, opts, choice])
+        scored += self._descend(tape, sc, scored, prefetch, costs)
         if ilp is not None:
             # The exact mechanisms for the most promising plans (greedy's best two, and
             # plans greedy could not fit while they can).
@@ -465,6 +467,74 @@ class Budget:
             if winner is None or (total, peak) < winner[0]:
                 winner = ((total, peak), dec, family, how, tl, opts, choice)
         return winner, floor
+
+    def _descend(
+        self, tape: Tape, sc: Any, scored: list, prefetch: int, costs: Any
+    ) -> list[list[Any]]:
+        """`_planner_search.descend_joint` from the fastest completed candidate, from
+        the hand-written policies' plans (`_planner_search.CLASSES`; repaired first
+        where they do not fit), then from the second fastest, when some candidate fits,
+        sharing `JOINT_WORK`
+        record-evaluations (none on tapes over `JOINT_RECORDS` records, nor on the
+        chains `_planner_chain_joint` plans exactly): the plans it improves, scored
+        like the others."""
+        from tapegrad.policies import _planner_chain_joint as chain_joint
+        from tapegrad.policies import _planner_joint as joint
+        from tapegrad.policies import _planner_search as search
+
+        n = len(tape.records)
+        if "recompute" not in self.allow or n > JOINT_RECORDS:
+            return []
+        if n <= chain_joint.MAX_RECORDS and chain_joint.joint_chain(tape, prefetch) is not None:
+            return []
+        left = JOINT_WORK // max(n, 1)
+        memo: dict[tuple, Any] = {}
+
+        def complete(dec: tuple, beat: tuple[int, float] | None = None) -> Any:
+            got = memo.get(dec)
+            if got is None:
+                tl = joint.timeline(sc.planned(dec), prefetch, sc._memo)
+                rec_s = costs.recompute_s(tl.recompute_flops)
+                if beat is not None and beat[0] == 0 and rec_s >= beat[1]:
+                    return ((0, rec_s),)  # recompute alone costs more: no mechanisms
+                opts = joint.options(tl, self.mechanisms, costs)
+                choice = joint.assign_greedy(tl, opts, self.bytes)
+                if choice is None:
+                    key = (1, float(joint.least_bytes(tl, opts) - self.bytes))
+                else:
+                    key = (0, rec_s + joint.evaluate(tl, opts, choice)[1])
+                got = memo[dec] = (key, rec_s, tl, opts, choice)
+            return got
+
+        fitting = sorted((c for c in scored if c[0] is not None), key=lambda c: c[0])
+        if not fitting:
+            # Nothing to improve on: `_plan_joint` tries prefetch 0 next, or gives up.
+            # (Repairing from the class plans instead spent ~2 s CPU below the floor of
+            # the bench's 69-record DAG, and fitted nothing.)
+            return []
+        starts = [(c[2], c[3]) for c in fitting[:1]]
+        starts += [
+            (sc.with_fixed("save" if keep(r) else "recompute" for r in tape.records), name)
+            for name, keep in search.CLASSES.items()
+            if name in JOINT_CLASSES
+        ]
+        starts += [(c[2], c[3]) for c in fitting[1:2]]
+        best = fitting[0][0]
+        out: list[list[Any]] = []
+        for start, family in starts:
+            if left <= 1:
+                break
+            dec, (over, total), spent = search.descend_joint(
+                sc, start, lambda d, beat: complete(d, beat)[0], left
+            )
+            left -= spent
+            if over == 0 and total < best * (1 - 1e-9):
+                best = total
+                _, rec_s, tl, opts, choice = complete(dec)
+                out.append(
+                    [total, rec_s, dec, family + "+joint descent", "greedy", tl, opts, choice]
+                )
+        return out
 
     def __repr__(self) -> str:
         return f"budget(bytes={self.bytes:,}, base={self.base!r})"
@@ -610,6 +680,14 @@ def _save_recompute(tape: Tape, fixed: list, hints: list, budget: int) -> tuple[
     return sc, sc.best
 
 
+# The joint descent (`Budget._descend`): record-evaluations it may spend (one
+# evaluation of an n-record plan, timeline and greedy mechanisms, costs n; ~15-25 µs
+# per record on a 2-core CPU), on tapes of up to how many records.
+JOINT_WORK = 40_000
+JOINT_RECORDS = 320
+# The hand-written policies' plans it also starts from (a plan two sweeps of single
+# flips cannot reach from the best candidate: dots kept, everything cheap recomputed).
+JOINT_CLASSES = ("save_all_but_cheap", "nothing_saveable")
 # A scorer allowed this many plans searches as it always did (tapes up to ~200 records).
 SMALL_SEARCH = 1_000
 # The longest tape the exact chain program plans (~1 s for the whole plan at ~130

@@ -204,8 +204,9 @@ def test_no_candidate_off_chains():
 
 def _budget_with(tape_fn, args, b, mode_kw, costs, program: bool, monkeypatch):
     mod = sys.modules["tapegrad.policies.budget"]
-    if not program:
+    if not program:  # two stages: save/recompute by flops, then mechanisms
         monkeypatch.setattr(mod, "_chain_joint", lambda *a: [])
+        monkeypatch.setattr(mod, "JOINT_WORK", 0)  # nor the joint descent
     pol = P.budget(b, costs=costs, **mode_kw)
     try:
         tg.trace(tape_fn, argnums=0, policy=pol)(*args)
