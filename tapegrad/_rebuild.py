@@ -207,7 +207,8 @@ def _rebuilt_once(
             elif alt is not None and not rec.names:
                 pair = _relu_into_pool(rec, alt, users, outputs, decisions)
                 if pair is not None:
-                    rec, pool = plain[rec.index], plain[pair[1].index] = pair
+                    rec, pool = pair
+                    plain[rec.index], plain[pool.index] = rec, pool
         if not (
             (rec.primitive in _REBUILDABLE or rec.primitive in RANDOM)
             and rec.index not in banned

@@ -433,12 +433,10 @@ class Budget:
                 continue
             seen.add(dec)
             tl = joint.timeline(sc.planned(dec), prefetch, sc._memo)
-            opts = joint.options(tl, self.mechanisms, costs)
+            rec_s = costs.recompute_s(tl.recompute_flops)
+            opts, choice, total = self._greedy(tl, rec_s, costs)
             least = joint.least_bytes(tl, opts)
             floor = least if floor is None else min(floor, least)
-            choice = joint.assign_greedy(tl, opts, self.bytes)
-            rec_s = costs.recompute_s(tl.recompute_flops)
-            total = rec_s + joint.evaluate(tl, opts, choice)[1] if choice is not None else None
             scored.append([total, rec_s, dec, family, "greedy", tl, opts, choice])
         scored += self._descend(tape, sc, scored, prefetch, costs)
         if ilp is not None:
@@ -468,16 +466,25 @@ class Budget:
                 winner = ((total, peak), dec, family, how, tl, opts, choice)
         return winner, floor
 
+    def _greedy(self, tl: Any, rec_s: float, costs: Any) -> tuple[Any, Any, float | None]:
+        """A plan's timeline completed with the greedy mechanisms: (the options, the
+        choice or None where nothing fits the budget, the predicted step time or None)."""
+        from tapegrad.policies import _planner_joint as joint
+
+        opts = joint.options(tl, self.mechanisms, costs)
+        choice = joint.assign_greedy(tl, opts, self.bytes)
+        total = rec_s + joint.evaluate(tl, opts, choice)[1] if choice is not None else None
+        return opts, choice, total
+
     def _descend(
         self, tape: Tape, sc: Any, scored: list, prefetch: int, costs: Any
     ) -> list[list[Any]]:
         """`_planner_search.descend_joint` from the fastest completed candidate, from
         the hand-written policies' plans (`_planner_search.CLASSES`; repaired first
         where they do not fit), then from the second fastest, when some candidate fits,
-        sharing `JOINT_WORK`
-        record-evaluations (none on tapes over `JOINT_RECORDS` records, nor on the
-        chains `_planner_chain_joint` plans exactly): the plans it improves, scored
-        like the others."""
+        sharing `JOINT_WORK` record-evaluations (none on tapes over `JOINT_RECORDS`
+        records, nor on the chains `_planner_chain_joint` plans exactly): the plans it
+        improves, scored like the others."""
         from tapegrad.policies import _planner_chain_joint as chain_joint
         from tapegrad.policies import _planner_joint as joint
         from tapegrad.policies import _planner_search as search
@@ -497,12 +504,11 @@ class Budget:
                 rec_s = costs.recompute_s(tl.recompute_flops)
                 if beat is not None and beat[0] == 0 and rec_s >= beat[1]:
                     return ((0, rec_s),)  # recompute alone costs more: no mechanisms
-                opts = joint.options(tl, self.mechanisms, costs)
-                choice = joint.assign_greedy(tl, opts, self.bytes)
-                if choice is None:
+                opts, choice, total = self._greedy(tl, rec_s, costs)
+                if total is None:
                     key = (1, float(joint.least_bytes(tl, opts) - self.bytes))
                 else:
-                    key = (0, rec_s + joint.evaluate(tl, opts, choice)[1])
+                    key = (0, total)
                 got = memo[dec] = (key, rec_s, tl, opts, choice)
             return got
 

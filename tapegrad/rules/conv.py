@@ -266,17 +266,13 @@ def _choice(x, y, init, p):
     return choice
 
 
-def _selected(x, p, select):
-    return _picked(x, p, select)[0]
-
-
 def _picked(x, p, select):
     """Per output, the row-major index of the window element XLA's select-and-scatter
-    (jax's max/min-pool backward) picks: the first element, replaced by each later one
-    for which ``select(picked, element)`` fails (``ge`` for max, ``le`` for min). Without
-    NaN that is the first extremum; with NaN it is still jax's pick. Padding and base
-    dilation holes hold the identity (-inf for max) and can be picked, as in XLA; their
-    cotangent is dropped."""
+    (jax's max/min-pool backward) picks, and that element's value: the first element,
+    replaced by each later one for which ``select(picked, element)`` fails (``ge`` for
+    max, ``le`` for min). Without NaN that is the first extremum; with NaN it is still
+    jax's pick. Padding and base dilation holes hold the identity (-inf for max) and can
+    be picked, as in XLA; their cotangent is dropped."""
     full, out, offsets = _geometry(x.shape, p)
     dt = _choice_dtype(p)
     if 0 in out:
