@@ -309,12 +309,17 @@ def _decide(
             draws=plan is None,
             kept_exact=kept_exact,
         )
-        for i in rebuilt:
-            fixed[i] = "recompute"
+        if plan is None:
+            for i in rebuilt:
+                fixed[i] = "recompute"
         if plain:
             tape = switched(tape, plain)
     if plan is not None:
-        return plan(tape, fixed), rebuilt, tape
+        # A planner takes the free rebuilds as hints, not binding: under a tight budget
+        # keeping the one rebuilt value can beat keeping the operands it is rebuilt from.
+        # Its cost model groups every recomputed record into segments as any other
+        # (`build_segments` without copies): no rebuilt set, or it would mispredict.
+        return (plan(tape, fixed, rebuilt) if rebuilt else plan(tape, fixed)), set(), tape
     return [f if f is not None else "save" for f in fixed], rebuilt, tape
 
 

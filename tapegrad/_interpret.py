@@ -596,6 +596,11 @@ def backward(
             for inp, ct in zip(rec.inputs, in_cts):
                 if ct is not None:
                     accum(inp, ct)
+            # Not held into the next record's step: its recomputation would find this
+            # record's cotangents still alive (a summed one twice: its part and the sum).
+            ct = in_cts = None
+        del gs
+        trigger.clear()
         for key in keys:
             if type(key) is tuple and key[0] == "body":
                 remaining[key] -= 1

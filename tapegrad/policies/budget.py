@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import numpy as np
@@ -246,8 +247,12 @@ class Budget:
             return LoopPlan()
         return choose_loop_schedule(rec, self.bytes)
 
-    def plan(self, tape: Tape, fixed: Sequence[str | None]) -> list[str]:
-        """Decisions for every record; ``fixed[i]`` is a binding decision or None.
+    def plan(
+        self, tape: Tape, fixed: Sequence[str | None], rebuilt: AbstractSet[int] = frozenset()
+    ) -> list[str]:
+        """Decisions for every record; ``fixed[i]`` is a binding decision or None;
+        ``rebuilt``: records backward can rebuild from operands kept anyway
+        (`_rebuild.rebuilt_records`), hinted "recompute" where free.
 
         1. Records with side effects are kept ("save"): recomputing them would run
            the effect again (`passes.check_effects` would reject the plan).
@@ -261,14 +266,17 @@ class Budget:
            (`_planner_search`).
         ``self.last`` says what was chosen: peak bytes, flops, the winning family.
         """
+        from tapegrad._checkpoint import CheckpointPolicy as P
         from tapegrad.policies import _planner_joint as joint
         from tapegrad.policies import _planner_search as search
 
         fixed = _keep_effects(tape, fixed)
         choose = getattr(self.base, "choose", None)
         hints = [
-            choose(r) if (choose is not None and f is None) else None
-            for r, f in zip(tape.records, fixed)
+            (P.PREFER_RECOMPUTE if i in rebuilt else choose(r) if choose is not None else None)
+            if f is None
+            else None
+            for i, (r, f) in enumerate(zip(tape.records, fixed))
         ]
         key = (search.structure_key(tape, fixed), tuple(hints))
         if key in self._plans:
