@@ -596,9 +596,10 @@ def backward(
             for inp, ct in zip(rec.inputs, in_cts):
                 if ct is not None:
                     accum(inp, ct)
+                del ct
             # Not held into the next record's step: its recomputation would find this
             # record's cotangents still alive (a summed one twice: its part and the sum).
-            ct = in_cts = None
+            del in_cts
         del gs
         trigger.clear()
         for key in keys:
