@@ -154,6 +154,7 @@ class Scorer:
         self.best: tuple[float, int, tuple[str, ...], str] | None = None
         self.by_family: dict[str, tuple[float, int, tuple[str, ...], str]] = {}
         self.floor: int | None = None
+        self.floor_plan: tuple[str, ...] | None = None  # a plan with that peak
         self._seen: dict[tuple[str, ...], tuple[int, float]] = {}
         # Tape-only facts, computed once; scores every plan (`_planner_fast`).
         self.index = TapeIndex(tape)
@@ -188,7 +189,8 @@ class Scorer:
         if d not in self._seen:
             self._seen[d] = self.simulate(d)[:2]
             peak, flops = self._seen[d]
-            self.floor = peak if self.floor is None else min(self.floor, peak)
+            if self.floor is None or peak < self.floor:
+                self.floor, self.floor_plan = peak, d
             if peak <= self.budget:
                 if self.best is None or (flops, peak) < self.best[:2]:
                     self.best = (flops, peak, d, family)

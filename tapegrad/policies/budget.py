@@ -288,7 +288,18 @@ class Budget:
         else:
             if "recompute" not in self.allow:  # e.g. allow=("save", "compress"), lossless
                 fixed = [f or "save" for f in fixed]
-            sc, best = _save_recompute(tape, fixed, hints, self.bytes)
+            from tapegrad.policies._cost import default_costs
+
+            costs = self.costs if self.costs is not None else default_costs()
+            sc, best = _save_recompute(
+                tape,
+                fixed,
+                hints,
+                self.bytes,
+                lambda: _joint_ilp_candidate(tape, fixed, self, costs)
+                if "recompute" in self.allow
+                else [],
+            )
             if best is None:
                 raise BudgetError(
                     f"no save/recompute plan found that keeps activation residuals under "
@@ -659,9 +670,13 @@ def _from_canonical(tape: Tape, canon: dict) -> dict:
     return {(ids[k] if k[0] != "aux" else k): m for k, m in canon.items()}
 
 
-def _save_recompute(tape: Tape, fixed: list, hints: list, budget: int) -> tuple[Any, Any]:
+def _save_recompute(
+    tape: Tape, fixed: list, hints: list, budget: int, more: Any = None
+) -> tuple[Any, Any]:
     """The save/recompute search at ``budget``: (scorer, best) with best = (flops, peak,
-    decisions, family) or None when nothing fits (``scorer.floor``: the least peak seen)."""
+    decisions, family) or None when nothing fits (``scorer.floor``: the least peak seen).
+    ``more()``, if given, is called when the hints do not fit: more plans to score
+    (decisions, family) before the descent starts from the best."""
     from tapegrad.policies import _planner_search as search
     from tapegrad.policies._planner_chain import as_chain, chain_plan
     from tapegrad.policies._planner_stages import stage_plan
@@ -691,7 +706,37 @@ def _save_recompute(tape: Tape, fixed: list, hints: list, budget: int) -> tuple[
     if ch is None:  # on a chain the program is already optimal
         search.descend(sc)
     search.refine(sc)
+    for dec, family in more() if more is not None else ():
+        sc.score(dec, family)
+    if ch is None and sc.n <= JOINT_RECORDS:
+        _descend_flops(sc)
     return sc, sc.best
+
+
+def _descend_flops(sc: Any) -> None:
+    """`_planner_search.descend_joint` scored by recompute flops (bytes over the budget
+    where a plan does not fit), from the best plan found (else the least peak seen,
+    which it repairs) and from the hand-written plans of `JOINT_CLASSES`, sharing
+    `JOINT_WORK` record-evaluations. The searches above move one record at a time along
+    one path each; on DAGs they stop far from plans this finds (or find none that fit
+    where one does). Every plan it scores updates ``sc.best``."""
+    from tapegrad.policies import _planner_search as search
+
+    def cost(dec: tuple, beat: Any) -> tuple[int, float]:
+        peak, flops = sc.score(dec, "descent")
+        return (0, flops) if peak <= sc.budget else (1, float(peak - sc.budget))
+
+    starts = [sc.best[2] if sc.best is not None else sc.floor_plan]
+    starts += [
+        sc.with_fixed("save" if keep(r) else "recompute" for r in sc.tape.records)
+        for name, keep in search.CLASSES.items()
+        if name in JOINT_CLASSES
+    ]
+    left = JOINT_WORK // max(sc.n, 1)
+    for start in starts:
+        if start is None or left <= 1:
+            continue
+        left -= search.descend_joint(sc, start, cost, left)[2]
 
 
 # The joint descent (`Budget._descend`): record-evaluations it may spend (one

@@ -386,3 +386,35 @@ def test_joint_descent_beats_the_flops_only_candidates(name, monkeypatch):
     peak, secs = joint.evaluate(tl, opts, choice)
     assert peak <= b
     assert secs + COSTS.recompute_s(tl.recompute_flops) == pytest.approx(after["time_s"])
+
+
+def test_plain_budget_descends_by_flops_on_dags(monkeypatch):
+    """`budget(bytes)` (save/recompute only) runs the same descent, scored by recompute
+    flops (`budget._descend_flops`): on a random DAG at 70% of save()'s peak it recomputes
+    a quarter of what the one-record-at-a-time searches chose; on a U-Net at 50%, where
+    they found nothing that fits, it finds a plan. Without highspy's plans (as on CI);
+    the plan's reported flops and peak are the executor's model of it."""
+    import sys
+
+    B = sys.modules["tapegrad.policies.budget"]
+    monkeypatch.setattr(B, "_joint_ilp_candidate", lambda *a: [])
+
+    def planned(f, args, frac, work):
+        tape = tg.trace(f, argnums=0)(*args)
+        n = len(tape.records)
+        monkeypatch.setattr(B, "JOINT_WORK", work)
+        pol = Budget(int(estimate(tape)[0] * frac))
+        try:
+            dec = pol.plan(tape, [None] * n)
+        except BudgetError:
+            return None
+        peak, flops = estimate(Scorer(tape, [None] * n, pol.bytes).planned(dec))
+        assert (peak, flops) == (pol.last["peak_bytes"], pol.last["recompute_flops"])
+        assert peak <= pol.bytes
+        return flops
+
+    f, args = varied_dag(6, 6, 3)
+    before, after = planned(f, args, 0.7, 0), planned(f, args, 0.7, 40_000)
+    assert after <= 0.3 * before
+    assert planned(unet, unet_args(4, 2), 0.5, 0) is None
+    assert planned(unet, unet_args(4, 2), 0.5, 40_000) is not None
