@@ -296,9 +296,11 @@ class Budget:
                 fixed,
                 hints,
                 self.bytes,
-                lambda: _joint_ilp_candidate(tape, fixed, self, costs)
-                if "recompute" in self.allow
-                else [],
+                lambda: (
+                    _joint_ilp_candidate(tape, fixed, self, costs)
+                    if "recompute" in self.allow
+                    else []
+                ),
             )
             if best is None:
                 raise BudgetError(
