@@ -525,14 +525,17 @@ KICK = 6
 KICK_REACH = 2
 
 
-def kicks(n: int) -> list[tuple[int, str]]:
+def kicks(n: int, hot: Sequence[int] = ()) -> list[tuple[int, str]]:
     """Kicks for `iterate_joint`: (first record of a run of `KICK` records, "recompute",
-    "save" or "flip" it), positions coarse to fine over the tape (`_spread`, so a
-    search cut short has kicked all over it), the three kinds at each."""
+    "save" or "flip" it), first on runs centred on the ``hot`` records (where the plan
+    spends its time, costliest first), then at positions coarse to fine over the tape
+    (`_spread`, so a search cut short has kicked all over it), the three kinds at
+    each."""
     if KICK >= n:
         return []
-    firsts = dict.fromkeys(round(p * (n - KICK) / max(n - 1, 1)) for p in _spread(n))
-    return [(i, v) for i in firsts for v in ("recompute", "save", "flip")]
+    firsts = [min(max(r - KICK // 2, 0), n - KICK) for r in hot]
+    firsts += [round(p * (n - KICK) / max(n - 1, 1)) for p in _spread(n)]
+    return [(i, v) for i in dict.fromkeys(firsts) for v in ("recompute", "save", "flip")]
 
 
 def iterate_joint(
@@ -541,6 +544,7 @@ def iterate_joint(
     cost: Callable[[tuple[str, ...], tuple[int, float] | None], tuple[int, float]],
     max_evals: int,
     kick_evals: int = 0,
+    hot: Callable[[tuple[str, ...]], Sequence[int]] | None = None,
 ) -> tuple[list[tuple[int, tuple[str, ...], tuple[int, float]]], int]:
     """Iterated local search: `descend_joint` from each of ``starts`` in turn (sharing
     ``max_evals``), then, for up to ``kick_evals`` more evaluations, kick the best plan
@@ -570,9 +574,9 @@ def iterate_joint(
     k, cur, best = found[-1]
     kicked = False
     stop = spent + kick_evals
-    for i, v in kicks(sc.n):
-        if spent >= stop - 1:
-            break
+    queue = kicks(sc.n, hot(cur) if hot is not None else ())
+    while queue and spent < stop - 1:
+        i, v = queue.pop(0)
         if v == "flip":
             run = tuple("save" if d == "recompute" else "recompute" for d in cur[i : i + KICK])
         else:
@@ -585,6 +589,8 @@ def iterate_joint(
         spent += e
         if _better(t, best):
             cur, best, kicked = dec, t, True
+            if hot is not None:  # aim again, at where the new plan spends its time
+                queue = kicks(sc.n, hot(cur))
     if kicked:
         cur, best, e = descend_joint(sc, cur, cost, max(stop - spent, 1), seen=seen)
         spent += e

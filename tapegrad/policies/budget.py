@@ -531,9 +531,27 @@ class Budget:
         starts += [(c[2], c[3]) for c in fitting[1:2]]
         best = fitting[0][0]
         out: list[list[Any]] = []
+        producer = {o.id: r.index for r in tape.records for o in r.outputs}
+
+        def hot(dec: tuple) -> list[int]:
+            """Records where ``dec`` spends time, costliest first: those whose outputs the
+            greedy mechanisms move or compress, and those backward re-runs."""
+            _, _, tl, opts, choice = complete(dec)
+            spend: dict[int, float] = {}
+            for k, key in enumerate(tl.keys):
+                i = key[1] if isinstance(key, tuple) else producer.get(key)
+                secs = float(opts.seconds[k, choice[k]])
+                if i is not None and secs > 0:
+                    spend[i] = spend.get(i, 0.0) + secs
+            for seg in sc.planned(dec).segments:
+                for i in seg.records:
+                    secs = costs.recompute_s(record_flops(tape.records[i]))
+                    spend[i] = spend.get(i, 0.0) + secs
+            return sorted(spend, key=lambda i: (-spend[i], i))
+
         kick = JOINT_KICK_WORK // max(n, 1)
         found, _ = search.iterate_joint(
-            sc, [s for s, _ in starts], lambda d, beat: complete(d, beat)[0], left, kick
+            sc, [s for s, _ in starts], lambda d, beat: complete(d, beat)[0], left, kick, hot
         )
         for k, dec, (over, total) in found:
             if over == 0 and total < best * (1 - 1e-9):
