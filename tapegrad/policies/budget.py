@@ -438,12 +438,23 @@ class Budget:
             least = joint.least_bytes(tl, opts)
             floor = least if floor is None else min(floor, least)
             scored.append([total, rec_s, dec, family, "greedy", tl, opts, choice])
+        searched = len(scored)
         scored += self._descend(tape, sc, scored, prefetch, costs)
         if ilp is not None:
             # The exact mechanisms for the most promising plans (greedy's best two, and
             # plans greedy could not fit while they can).
-            order = sorted(scored, key=lambda c: (c[0] is None, c[0] or 0.0))
+            def rank(c: list) -> tuple[bool, float]:
+                return (c[0] is None, c[0] or 0.0)
+
+            order = sorted(scored, key=rank)
             extra = [c for c in order[2:] if c[0] is None][:2]
+            # and the best two candidates from before the joint search: greedy's ranking
+            # is not the exact one, and its plans alone could push them out
+            extra += [
+                c
+                for c in sorted(scored[:searched], key=rank)[:2]
+                if all(c is not e for e in order[:2] + extra)
+            ]
             # and the joint ILP's plan, so its exact completion is always tried
             mine = [c for c in order[2:] if c[3] == "joint ILP"]
             extra += [c for c in mine if all(c is not e for e in extra)]
