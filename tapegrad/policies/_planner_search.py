@@ -23,7 +23,9 @@ Candidate families (the planner keeps the fitting plan with the least flops):
 The joint planner (`budget.Budget._plan_joint`) completes those plans with
 per-residual mechanisms, then searches around the best completed ones with
 `descend_joint`: the same save/recompute decisions, scored by the predicted step time
-(recompute plus mechanisms) instead of by flops under the budget.
+(recompute plus mechanisms) instead of by flops under the budget; `iterate_joint` then
+kicks the best plan out of its local optimum (runs of records recomputed, saved or
+flipped, repaired around) and keeps what improves.
 """
 
 from __future__ import annotations
@@ -550,7 +552,9 @@ def iterate_joint(
     ``max_evals``), then, for up to ``kick_evals`` more evaluations, kick the best plan
     found (a run of records recomputed, saved or flipped, `kicks`) and repair around
     the kick (`descend_joint` on a window), keeping the result whenever it beats the
-    best; then a last descent over the whole tape from the best kicked plan.
+    best (``hot``: decisions -> the records where that plan spends its time, costliest
+    first, where the kicks aim first, again after each improvement); then a descent
+    over the whole tape from the best kicked plan, with what is left.
 
     Why: single flips and runs of 2..4 stop where any one change costs more, yet a
     group of records recomputed (or kept) together may pay only as a group, e.g. six

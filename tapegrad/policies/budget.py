@@ -496,7 +496,8 @@ class Budget:
         candidate, from the hand-written policies' plans (`_planner_search.CLASSES`;
         repaired first where they do not fit), then from the second fastest, sharing
         `JOINT_WORK` record-evaluations, then kicks from the best plan found for
-        `JOINT_KICK_WORK` more; when some candidate fits, and not on tapes over
+        `JOINT_KICK_WORK` more, aimed first at the records where that plan spends its
+        time (`hot`); when some candidate fits, and not on tapes over
         `JOINT_RECORDS` records nor on the chains `_planner_chain_joint` plans exactly.
         Returns the plans it improves, scored like the others."""
         from tapegrad.policies import _planner_chain_joint as chain_joint
@@ -549,6 +550,8 @@ class Budget:
             greedy mechanisms move or compress, and those backward re-runs."""
             _, _, tl, opts, choice = complete(dec)
             spend: dict[int, float] = {}
+            if choice is None:
+                return []
             for k, key in enumerate(tl.keys):
                 i = key[1] if isinstance(key, tuple) else producer.get(key)
                 secs = float(opts.seconds[k, choice[k]])
