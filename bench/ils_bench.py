@@ -10,7 +10,9 @@ predicted step time (`Budget` without the joint-ILP candidates, as ilp_bench's
 plan simulated annealing found and the joint ILP's bound (both from bench/RESULTS.md,
 "Issue 15"), and the CPU seconds of each `Budget.plan`. ``--families``: also every
 ilp_bench family at its 5 budgets, kicks off / on: the cells that change and the
-planning CPU (max and total).
+planning CPU (max and total). ``--greedy-only``: as without highspy installed (the
+"heuristic" column above still completes its best plans' mechanisms exactly when
+highspy is importable, as ilp_bench's does).
 
 Times are the planner's cost model (fixed figures), not wall-clock step times.
 """
@@ -122,7 +124,15 @@ def all_families() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--families", action="store_true", help="every ilp_bench family too")
+    ap.add_argument(
+        "--greedy-only",
+        action="store_true",
+        help="no exact (HiGHS) mechanisms for the best plans either: what users without "
+        "highspy get",
+    )
     a = ap.parse_args()
+    if a.greedy_only:
+        B._ilp_solver = lambda tape: None
     print(f"cost model {COSTS}; JOINT_WORK {B.JOINT_WORK:,}; JOINT_KICK_WORK {B.JOINT_KICK_WORK:,}")
     t0 = time.perf_counter()
     cells()
