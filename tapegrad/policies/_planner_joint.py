@@ -181,28 +181,41 @@ class Options:
         return [COLUMNS[c] for c in choice]
 
 
-def options(tl: Timeline, mechanisms: tuple[str, ...], costs: CostModel) -> Options:
-    """The mechanisms that apply to each key (``mechanisms`` among `COLUMNS`)."""
+def options(
+    tl: Timeline, mechanisms: tuple[str, ...], costs: CostModel, rows: dict | None = None
+) -> Options:
+    """The mechanisms that apply to each key (``mechanisms`` among `COLUMNS`).
+    ``rows`` (optional, for a search completing many plans of one tape with the same
+    mechanisms and costs) caches each key's row: it depends on the key only (and on
+    whether low-bit applies to it)."""
     K, M = len(tl.keys), len(COLUMNS)
     S = np.zeros((K, M), np.int64)
     C = np.zeros((K, M), np.int64)
     sec = np.zeros((K, M), np.float64)
     ok = np.zeros((K, M), bool)
     S[:, 0], ok[:, 0] = tl.full, True
+    lowbit = any(m in LOWBIT for m in mechanisms)
     for k, v in enumerate(tl.vars):
         b = int(tl.full[k])
         if b <= 0:
+            continue
+        exact = lowbit and tl.keys[k] in tl.exact
+        got = rows.get((tl.keys[k], exact)) if rows is not None else None
+        if got is not None:
+            S[k], C[k], sec[k], ok[k] = got
             continue
         for m in mechanisms:
             j = COLUMNS.index(m)
             if m == "offload":
                 S[k, j], C[k, j], sec[k, j], ok[k, j] = 0, b, costs.offload_s(b), True
-            elif not (m in LOWBIT and tl.keys[k] in tl.exact):
+            elif not (m in LOWBIT and exact):
                 sharding = getattr(v, "sharding", None)
                 c = compressed_nbytes(m, tuple(v.shape), v.dtype, b, sharding)
                 if c is not None and c < b:
                     S[k, j], C[k, j], ok[k, j] = c, b, True
                     sec[k, j] = costs.mechanism_s(m, b)
+        if rows is not None:
+            rows[(tl.keys[k], exact)] = (S[k].copy(), C[k].copy(), sec[k].copy(), ok[k].copy())
     return Options(S, C, sec, ok)
 
 

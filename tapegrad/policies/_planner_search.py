@@ -23,7 +23,9 @@ Candidate families (the planner keeps the fitting plan with the least flops):
 The joint planner (`budget.Budget._plan_joint`) completes those plans with
 per-residual mechanisms, then searches around the best completed ones with
 `descend_joint`: the same save/recompute decisions, scored by the predicted step time
-(recompute plus mechanisms) instead of by flops under the budget.
+(recompute plus mechanisms) instead of by flops under the budget; `iterate_joint` then
+kicks the best plan out of its local optimum (runs of records recomputed, saved or
+flipped, repaired around) and keeps what improves.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ __all__ = [
     "descend",
     "refine",
     "descend_joint",
+    "iterate_joint",
 ]
 
 # Cheap ops: recomputing them costs little next to what storing their outputs costs.
@@ -164,6 +167,14 @@ class Scorer:
         # ones a budget of record-simulations (`WORK`), spent in the order of
         # `budget._save_recompute`, each family stopping when its share is spent.
         self.limit = limit if limit is not None else max(MIN_SCORES, WORK // max(self.n, 1))
+        self._act: list[int] | None = None
+
+    def activation(self) -> list[int]:
+        """`_activation_bytes`' per-record bytes, computed once (the joint search asks
+        for them at every descent)."""
+        if self._act is None:
+            self._act = _activation_bytes(self)[0]
+        return self._act
 
     def left(self) -> int:
         """Simulations left of `limit`."""
@@ -431,12 +442,18 @@ def refine(sc: Scorer, starts: int = 2, max_tries: int = 512, patience: int = 96
                     break
 
 
+def _better(a: tuple[int, float], b: tuple[int, float]) -> bool:
+    return a[0] < b[0] or (a[0] == b[0] and a[1] < b[1] * (1 - 1e-9))
+
+
 def descend_joint(
     sc: Scorer,
     start: Sequence[str],
     cost: Callable[[tuple[str, ...], tuple[int, float] | None], tuple[int, float]],
     max_evals: int,
     runs: Sequence[int] = (1, 2, 3, 4),
+    window: tuple[int, int] | None = None,
+    seen: dict[tuple[str, ...], tuple[tuple[int, float], bool]] | None = None,
 ) -> tuple[tuple[str, ...], tuple[int, float], int]:
     """First-improvement local search over save/recompute decisions scored by ``cost``
     (decisions -> ``(0, predicted step time)`` when mechanisms fit the budget, else
@@ -448,22 +465,37 @@ def descend_joint(
     Moves, in sweeps until one improves nothing or ``max_evals`` is spent: flip one free
     record (recomputed ones back to "save" first, costliest first; then saved ones to
     "recompute", most activation bytes per flop first), then set runs of 2..4 records
-    adjacent on the tape to one decision. The flops-only searches above cannot see that
-    a record kept (and offloaded or compressed) may cost less than its recomputation,
-    or that recomputing a cheap record may spare a costly conversion elsewhere; this
-    scores exactly that. Deterministic: the order depends on the tape only."""
+    adjacent on the tape to one decision; with ``window`` = (lo, hi), only moves on
+    records lo..hi-1 (a repair around a kick, `iterate_joint`). ``seen`` (shared by
+    several descents) remembers scores: only plans not seen count as evaluations.
+    The flops-only searches above cannot see that a record kept (and offloaded or
+    compressed) may cost less than its recomputation, or that recomputing a cheap
+    record may spare a costly conversion elsewhere; this scores exactly that.
+    Deterministic: the order depends on the tape only."""
     from tapegrad.policies.budget import record_flops
 
-    def better(a: tuple[int, float], b: tuple[int, float]) -> bool:
-        return a[0] < b[0] or (a[0] == b[0] and a[1] < b[1] * (1 - 1e-9))
+    lo, hi = window if window is not None else (0, sc.n)
+    seen = {} if seen is None else seen
+    evals = 0
+
+    def score(dec: tuple[str, ...], beat: tuple[int, float] | None) -> tuple[int, float]:
+        """``cost``, remembered in ``seen`` with whether it is exact (an answer not
+        below the score it had to beat may be a lower bound only: evaluated again
+        where it would beat a lower score)."""
+        nonlocal evals
+        got = seen.get(dec)
+        if got is not None and (got[1] or (beat is not None and not _better(got[0], beat))):
+            return got[0]
+        t = cost(dec, beat)
+        evals += 1
+        seen[dec] = (t, beat is None or _better(t, beat))
+        return t
 
     cur = sc.with_fixed(start)
-    best = cost(cur, None)
-    evals = 1
-    free = [i for i in range(sc.n) if sc.fixed[i] is None]
+    best = score(cur, None)
+    free = [i for i in range(lo, hi) if sc.fixed[i] is None]
     flops = {i: record_flops(sc.tape.records[i]) for i in free}
-    act = _activation_bytes(sc)[0]
-    tried: set[tuple[str, ...]] = {cur}
+    act = sc.activation()
     improved = True
     while improved and evals < max_evals:
         improved = False
@@ -477,20 +509,99 @@ def descend_joint(
         for length in runs:
             if length > 1:
                 moves += [
-                    (i, length, v) for i in range(sc.n - length + 1) for v in ("save", "recompute")
+                    (i, length, v)
+                    for i in range(lo, hi - length + 1)
+                    for v in ("save", "recompute")
                 ]
         for i, length, v in moves:
             if evals >= max_evals:
                 break
             trial = sc.with_fixed(cur[:i] + (v,) * length + cur[i + length :])
-            if trial in tried:
-                continue
-            tried.add(trial)
-            evals += 1
-            t = cost(trial, best)
-            if better(t, best):
+            t = score(trial, best)
+            if _better(t, best):
                 cur, best, improved = trial, t, True
     return cur, best, evals
+
+
+# Iterated local search (`iterate_joint`): how many adjacent records a kick sets, and
+# how far on each side of it the repair descent looks.
+KICK = 6
+KICK_REACH = 2
+
+
+def kicks(n: int, hot: Sequence[int] = ()) -> list[tuple[int, str]]:
+    """Kicks for `iterate_joint`: (first record of a run of `KICK` records, "recompute",
+    "save" or "flip" it), first on runs centred on the ``hot`` records (where the plan
+    spends its time, costliest first), then at positions coarse to fine over the tape
+    (`_spread`, so a search cut short has kicked all over it), the three kinds at
+    each."""
+    if KICK >= n:
+        return []
+    firsts = [min(max(r - KICK // 2, 0), n - KICK) for r in hot]
+    firsts += [round(p * (n - KICK) / max(n - 1, 1)) for p in _spread(n)]
+    return [(i, v) for i in dict.fromkeys(firsts) for v in ("recompute", "save", "flip")]
+
+
+def iterate_joint(
+    sc: Scorer,
+    starts: Sequence[Sequence[str]],
+    cost: Callable[[tuple[str, ...], tuple[int, float] | None], tuple[int, float]],
+    max_evals: int,
+    kick_evals: int = 0,
+    hot: Callable[[tuple[str, ...]], Sequence[int]] | None = None,
+) -> tuple[list[tuple[int, tuple[str, ...], tuple[int, float]]], int]:
+    """Iterated local search: `descend_joint` from each of ``starts`` in turn (sharing
+    ``max_evals``), then, for up to ``kick_evals`` more evaluations, kick the best plan
+    found (a run of records recomputed, saved or flipped, `kicks`) and repair around
+    the kick (`descend_joint` on a window), keeping the result whenever it beats the
+    best (``hot``: decisions -> the records where that plan spends its time, costliest
+    first, where the kicks aim first, again after each improvement); then a descent
+    over the whole tape from the best kicked plan, with what is left.
+
+    Why: single flips and runs of 2..4 stop where any one change costs more, yet a
+    group of records recomputed (or kept) together may pay only as a group, e.g. six
+    cheap records whose recomputation frees the bytes the mechanisms were paying for;
+    a kick jumps there and the repair fixes its edges. Scores are shared by all the
+    descents (a plan is evaluated once). Returns the plans that beat every plan before
+    them, as (index of the start they came from, decisions, cost), and the
+    evaluations spent. Deterministic: kicks and their order depend on the tape only."""
+    found: list[tuple[int, tuple[str, ...], tuple[int, float]]] = []
+    seen: dict[tuple[str, ...], tuple[tuple[int, float], bool]] = {}
+    spent = 0
+    for k, start in enumerate(starts):
+        if spent >= max_evals - 1:
+            break
+        dec, t, e = descend_joint(sc, start, cost, max_evals - spent, seen=seen)
+        spent += e
+        if not found or _better(t, found[-1][2]):
+            found.append((k, dec, t))
+    if not found or kick_evals <= 0:
+        return found, spent
+    k, cur, best = found[-1]
+    kicked = False
+    stop = spent + kick_evals
+    queue = kicks(sc.n, hot(cur) if hot is not None else ())
+    while queue and spent < stop - 1:
+        i, v = queue.pop(0)
+        if v == "flip":
+            run = tuple("save" if d == "recompute" else "recompute" for d in cur[i : i + KICK])
+        else:
+            run = (v,) * KICK
+        trial = sc.with_fixed(cur[:i] + run + cur[i + KICK :])
+        if trial == cur:
+            continue
+        window = (max(0, i - KICK_REACH), min(sc.n, i + KICK + KICK_REACH))
+        dec, t, e = descend_joint(sc, trial, cost, stop - spent, window=window, seen=seen)
+        spent += e
+        if _better(t, best):
+            cur, best, kicked = dec, t, True
+            if hot is not None:  # aim again, at where the new plan spends its time
+                queue = kicks(sc.n, hot(cur))
+    if kicked:
+        cur, best, e = descend_joint(sc, cur, cost, max(stop - spent, 1), seen=seen)
+        spent += e
+        found.append((k, cur, best))
+    return found, spent
 
 
 def structure_key(tape: Tape, fixed: Sequence[Any]) -> tuple:

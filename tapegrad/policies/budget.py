@@ -459,12 +459,23 @@ class Budget:
             least = joint.least_bytes(tl, opts)
             floor = least if floor is None else min(floor, least)
             scored.append([total, rec_s, dec, family, "greedy", tl, opts, choice])
+        searched = len(scored)
         scored += self._descend(tape, sc, scored, prefetch, costs)
         if ilp is not None:
             # The exact mechanisms for the most promising plans (greedy's best two, and
             # plans greedy could not fit while they can).
-            order = sorted(scored, key=lambda c: (c[0] is None, c[0] or 0.0))
+            def rank(c: list) -> tuple[bool, float]:
+                return (c[0] is None, c[0] or 0.0)
+
+            order = sorted(scored, key=rank)
             extra = [c for c in order[2:] if c[0] is None][:2]
+            # and the best two candidates from before the joint search: greedy's ranking
+            # is not the exact one, and its plans alone could push them out
+            extra += [
+                c
+                for c in sorted(scored[:searched], key=rank)[:2]
+                if all(c is not e for e in order[:2] + extra)
+            ]
             # and the joint ILP's plan, so its exact completion is always tried
             mine = [c for c in order[2:] if c[3] == "joint ILP"]
             extra += [c for c in mine if all(c is not e for e in extra)]
@@ -487,12 +498,14 @@ class Budget:
                 winner = ((total, peak), dec, family, how, tl, opts, choice)
         return winner, floor
 
-    def _greedy(self, tl: Any, rec_s: float, costs: Any) -> tuple[Any, Any, float | None]:
+    def _greedy(
+        self, tl: Any, rec_s: float, costs: Any, rows: dict | None = None
+    ) -> tuple[Any, Any, float | None]:
         """A plan's timeline completed with the greedy mechanisms: (the options, the
         choice or None where nothing fits the budget, the predicted step time or None)."""
         from tapegrad.policies import _planner_joint as joint
 
-        opts = joint.options(tl, self.mechanisms, costs)
+        opts = joint.options(tl, self.mechanisms, costs, rows)
         choice = joint.assign_greedy(tl, opts, self.bytes)
         total = rec_s + joint.evaluate(tl, opts, choice)[1] if choice is not None else None
         return opts, choice, total
@@ -500,12 +513,14 @@ class Budget:
     def _descend(
         self, tape: Tape, sc: Any, scored: list, prefetch: int, costs: Any
     ) -> list[list[Any]]:
-        """`_planner_search.descend_joint` from the fastest completed candidate, from
-        the hand-written policies' plans (`_planner_search.CLASSES`; repaired first
-        where they do not fit), then from the second fastest, when some candidate fits,
-        sharing `JOINT_WORK` record-evaluations (none on tapes over `JOINT_RECORDS`
-        records, nor on the chains `_planner_chain_joint` plans exactly): the plans it
-        improves, scored like the others."""
+        """`_planner_search.iterate_joint`: descents from the fastest completed
+        candidate, from the hand-written policies' plans (`_planner_search.CLASSES`;
+        repaired first where they do not fit), then from the second fastest, sharing
+        `JOINT_WORK` record-evaluations, then kicks from the best plan found for
+        `JOINT_KICK_WORK` more, aimed first at the records where that plan spends its
+        time (`hot`); when some candidate fits, and not on tapes over
+        `JOINT_RECORDS` records nor on the chains `_planner_chain_joint` plans exactly.
+        Returns the plans it improves, scored like the others."""
         from tapegrad.policies import _planner_chain_joint as chain_joint
         from tapegrad.policies import _planner_joint as joint
         from tapegrad.policies import _planner_search as search
@@ -517,6 +532,7 @@ class Budget:
             return []
         left = JOINT_WORK // max(n, 1)
         memo: dict[tuple, Any] = {}
+        rows: dict[tuple, Any] = {}  # `_planner_joint.options`' rows, by residual key
 
         def complete(dec: tuple, beat: tuple[int, float] | None = None) -> Any:
             got = memo.get(dec)
@@ -525,7 +541,7 @@ class Budget:
                 rec_s = costs.recompute_s(tl.recompute_flops)
                 if beat is not None and beat[0] == 0 and rec_s >= beat[1]:
                     return ((0, rec_s),)  # recompute alone costs more: no mechanisms
-                opts, choice, total = self._greedy(tl, rec_s, costs)
+                opts, choice, total = self._greedy(tl, rec_s, costs, rows)
                 if total is None:
                     key = (1, float(joint.least_bytes(tl, opts) - self.bytes))
                 else:
@@ -548,19 +564,36 @@ class Budget:
         starts += [(c[2], c[3]) for c in fitting[1:2]]
         best = fitting[0][0]
         out: list[list[Any]] = []
-        for start, family in starts:
-            if left <= 1:
-                break
-            dec, (over, total), spent = search.descend_joint(
-                sc, start, lambda d, beat: complete(d, beat)[0], left
-            )
-            left -= spent
+        producer = {o.id: r.index for r in tape.records for o in r.outputs}
+
+        def hot(dec: tuple) -> list[int]:
+            """Records where ``dec`` spends time, costliest first: those whose outputs the
+            greedy mechanisms move or compress, and those backward re-runs."""
+            _, _, tl, opts, choice = complete(dec)
+            spend: dict[int, float] = {}
+            if choice is None:
+                return []
+            for k, key in enumerate(tl.keys):
+                i = key[1] if isinstance(key, tuple) else producer.get(key)
+                secs = float(opts.seconds[k, choice[k]])
+                if i is not None and secs > 0:
+                    spend[i] = spend.get(i, 0.0) + secs
+            for seg in sc.planned(dec).segments:
+                for i in seg.records:
+                    secs = costs.recompute_s(record_flops(tape.records[i]))
+                    spend[i] = spend.get(i, 0.0) + secs
+            return sorted(spend, key=lambda i: (-spend[i], i))
+
+        kick = JOINT_KICK_WORK // max(n, 1)
+        found, _ = search.iterate_joint(
+            sc, [s for s, _ in starts], lambda d, beat: complete(d, beat)[0], left, kick, hot
+        )
+        for k, dec, (over, total) in found:
             if over == 0 and total < best * (1 - 1e-9):
                 best = total
                 _, rec_s, tl, opts, choice = complete(dec)
-                out.append(
-                    [total, rec_s, dec, family + "+joint descent", "greedy", tl, opts, choice]
-                )
+                family = starts[k][1] + "+joint descent"
+                out.append([total, rec_s, dec, family, "greedy", tl, opts, choice])
         return out
 
     def __repr__(self) -> str:
@@ -743,9 +776,11 @@ def _descend_flops(sc: Any) -> None:
 
 # The joint descent (`Budget._descend`): record-evaluations it may spend (one
 # evaluation of an n-record plan, timeline and greedy mechanisms, costs n; ~15-25 µs
-# per record on a 2-core CPU), on tapes of up to how many records.
+# per record on a 2-core CPU), on tapes of up to how many records; then as many again
+# for the kicks of the iterated search (`_planner_search.iterate_joint`).
 JOINT_WORK = 40_000
 JOINT_RECORDS = 320
+JOINT_KICK_WORK = 40_000
 # The hand-written policies' plans it also starts from (a plan two sweeps of single
 # flips cannot reach from the best candidate: dots kept, everything cheap recomputed).
 JOINT_CLASSES = ("save_all_but_cheap", "nothing_saveable")
