@@ -710,8 +710,11 @@ def _save_recompute(
 ) -> tuple[Any, Any]:
     """The save/recompute search at ``budget``: (scorer, best) with best = (flops, peak,
     decisions, family) or None when nothing fits (``scorer.floor``: the least peak seen).
-    ``more()``, if given, is called when the hints do not fit: more plans to score
-    (decisions, family) before the descent starts from the best."""
+    ``more()``, given by plain budgets (save/recompute, scored by flops), is called when
+    the hints do not fit: more plans to score (decisions, family), then a descent by
+    flops from the best (`_descend_flops`). The joint planner gives none: its own
+    descent scores by step time, and a flops descent here only moved its starts
+    (worse on 6 of 39 `bench/ilp_bench.py` cells compared, better on 2)."""
     from tapegrad.policies import _planner_search as search
     from tapegrad.policies._planner_chain import as_chain, chain_plan
     from tapegrad.policies._planner_stages import stage_plan
@@ -741,10 +744,11 @@ def _save_recompute(
     if ch is None:  # on a chain the program is already optimal
         search.descend(sc)
     search.refine(sc)
-    for dec, family in more() if more is not None else ():
-        sc.score(dec, family)
-    if ch is None and sc.n <= JOINT_RECORDS:
-        _descend_flops(sc)
+    if more is not None:
+        for dec, family in more():
+            sc.score(dec, family)
+        if ch is None and sc.n <= JOINT_RECORDS:
+            _descend_flops(sc)
     return sc, sc.best
 
 
