@@ -346,6 +346,18 @@ def test_budget_is_never_worse_than_the_decoded_ilp_plan(name):
     assert compared >= 1
 
 
+def _plan_with(monkeypatch, tape, b, **constants):
+    """`Budget.plan` of ``tape`` at ``b`` bytes (all four mechanisms, bf16) with the
+    budget module's ``constants`` set (e.g. ``JOINT_WORK=0``): (decisions, ``last``)."""
+    import sys
+
+    B = sys.modules["tapegrad.policies.budget"]  # the package exports the function
+    for name, value in constants.items():
+        monkeypatch.setattr(B, name, value)
+    pol = Budget(b, allow=ALL, max_error="bf16", costs=COSTS)
+    return pol.plan(tape, [None] * len(tape.records)), pol.last
+
+
 @pytest.mark.parametrize("name", ["unet", "dag"])
 def test_joint_descent_beats_the_flops_only_candidates(name, monkeypatch):
     """`Budget._descend` (`_planner_search.descend_joint`): searching save/recompute by
@@ -366,10 +378,7 @@ def test_joint_descent_beats_the_flops_only_candidates(name, monkeypatch):
     monkeypatch.setattr(B, "_joint_ilp_candidate", lambda *a: [])
 
     def planned(work):
-        monkeypatch.setattr(B, "JOINT_WORK", work)
-        pol = Budget(b, allow=ALL, max_error="bf16", costs=COSTS)
-        dec = pol.plan(tape, [None] * n)
-        return dec, pol.last
+        return _plan_with(monkeypatch, tape, b, JOINT_WORK=work)
 
     _, before = planned(0)
     dec, after = planned(25_000)
@@ -431,16 +440,12 @@ def test_kicks_leave_the_descents_local_optimum(monkeypatch):
     B = sys.modules["tapegrad.policies.budget"]  # the package exports the function
     f, args = varied_dag(6, 6, 3)
     tape = tg.trace(f, argnums=0)(*args)
-    n = len(tape.records)
     b = int(estimate(tape)[0] * 0.723)
     monkeypatch.setattr(B, "_joint_ilp_candidate", lambda *a: [])
     work = B.JOINT_KICK_WORK
 
     def planned(kick_work):
-        monkeypatch.setattr(B, "JOINT_KICK_WORK", kick_work)
-        pol = Budget(b, allow=ALL, max_error="bf16", costs=COSTS)
-        dec = pol.plan(tape, [None] * n)
-        return dec, pol.last
+        return _plan_with(monkeypatch, tape, b, JOINT_KICK_WORK=kick_work)
 
     _, before = planned(0)
     dec, after = planned(work)
