@@ -753,12 +753,14 @@ def _save_recompute(
 
 
 def _descend_flops(sc: Any) -> None:
-    """`_planner_search.descend_joint` scored by recompute flops (bytes over the budget
-    where a plan does not fit), from the best plan found (else the least peak seen,
-    which it repairs) and from the hand-written plans of `JOINT_CLASSES`, sharing
-    `JOINT_WORK` record-evaluations. The searches above move one record at a time along
-    one path each; on DAGs they stop far from plans this finds (or find none that fit
-    where one does). Every plan it scores updates ``sc.best``."""
+    """`_planner_search.iterate_joint` scored by recompute flops (bytes over the budget
+    where a plan does not fit): descents from the best plan found (else the least peak
+    seen, which they repair) and from the hand-written plans of `JOINT_CLASSES`,
+    sharing `JOINT_WORK` record-evaluations, then kicks for `JOINT_KICK_WORK` more
+    (at spread positions: never worse, up to 25% fewer flops on 8 of 24 DAG cells tried,
+    ~0.1 s more). The searches above move one record at a time along one path each;
+    on DAGs they stop far from plans this finds (or find none that fit where one
+    does). Every plan it scores updates ``sc.best``."""
     from tapegrad.policies import _planner_search as search
 
     def cost(dec: tuple, beat: Any) -> tuple[int, float]:
@@ -771,11 +773,10 @@ def _descend_flops(sc: Any) -> None:
         for name, keep in search.CLASSES.items()
         if name in JOINT_CLASSES
     ]
-    left = JOINT_WORK // max(sc.n, 1)
-    for start in starts:
-        if start is None or left <= 1:
-            continue
-        left -= search.descend_joint(sc, start, cost, left)[2]
+    n = max(sc.n, 1)
+    search.iterate_joint(
+        sc, [s for s in starts if s is not None], cost, JOINT_WORK // n, JOINT_KICK_WORK // n
+    )
 
 
 # The joint descent (`Budget._descend`): record-evaluations it may spend (one
