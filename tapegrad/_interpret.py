@@ -249,7 +249,9 @@ def forward(
         store[var_id] = (
             value
             if plain or var_id in forwarded
-            else _pack(res, rec, var_id, Saved("in", i, u.shape, u.dtype), value, True)
+            else _pack(
+                res, rec, var_id, Saved("in", i, u.shape, u.dtype), value, segment_input=True
+            )
         )
 
     for v in list(tape.inputs) + [c for c, _ in tape.consts]:

@@ -39,10 +39,10 @@ from tapegrad.policies._lowbit import (
     lowbit_layout,
     pack_lowbit,
     packed_nbytes,
-    read_through_a_pole,
     reads_positive,
     residual_id,
     residual_name,
+    stays_exact,
     unpack_lowbit,
 )
 
@@ -187,13 +187,8 @@ class _Recorder:
         if self.applies(info):
             value = as_array(value, info)
             lay = lowbit_layout(value, LADDER[0], self.group)
-            # kept as it is (compress's pack): too small to shrink, read through a pole,
-            # or a recomputed segment's input
-            fixed = (
-                packed_nbytes(lay, LADDER[0], value.dtype) >= info.nbytes
-                or read_through_a_pole(info)
-                or info.segment_input
-            )
+            # kept as it is (compress's pack): too small to shrink, or `stays_exact`
+            fixed = packed_nbytes(lay, LADDER[0], value.dtype) >= info.nbytes or stays_exact(info)
             self.seen.setdefault(residual_name(info), (info, fixed))
         return value
 

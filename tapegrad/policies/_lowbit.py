@@ -70,6 +70,7 @@ __all__ = [
     "residual_path",
     "key_words",
     "read_through_a_pole",
+    "stays_exact",
     "pole",
     "reads_positive",
 ]
@@ -187,6 +188,14 @@ def read_through_a_pole(info) -> bool:
     saver's info; a matmul may keep it before a log does): rounding it would bias the
     gradient, so low-bit compression keeps it exact."""
     return any(pole(rec, saved) for rec, saved in info.savers)
+
+
+def stays_exact(info) -> bool:
+    """Whether low-bit compression keeps this residual as it is: backward divides by it
+    (`read_through_a_pole`: rounding would bias the gradient), or re-runs records from
+    it (``info.segment_input``: every recomputed value would carry the rounding, through
+    nonlinear records, where it is no longer right on average)."""
+    return read_through_a_pole(info) or info.segment_input
 
 
 def pole(rec, saved) -> bool:

@@ -44,10 +44,10 @@ from tapegrad.policies._lowbit import (
     lowbit_layout,
     pack_lowbit,
     packed_nbytes,
-    read_through_a_pole,
     reads_positive,
     residual_id,
     residual_name,
+    stays_exact,
     unpack_lowbit,
 )
 
@@ -373,10 +373,7 @@ class Compress:
             return value
         value = as_array(value, info)  # an input may be a Python or numpy scalar
         if self.bits is not None:
-            if read_through_a_pole(info) or info.segment_input:
-                # backward divides by it: rounding would bias the gradient; or re-runs
-                # records from it: every recomputed value would carry the rounding,
-                # through nonlinear records, where it is no longer right on average
+            if stays_exact(info):  # a divisor, or a recomputed segment's input
                 return value
             bits = self._auto_bits(info) if self.bits == "auto" else self.bits
             if bits >= np.dtype(value.dtype).itemsize * 8:
