@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tapegrad as tg  # noqa: E402
-from bench.ilp_bench import ALL, COSTS, families, floor_of  # noqa: E402
+from bench.ilp_bench import ALL, COSTS, families, floor_of, fmt  # noqa: E402
 from tapegrad.policies.budget import Budget, BudgetError, estimate  # noqa: E402
 from tests.policies.test_planner_ilp_joint import unet, unet_args, varied_dag  # noqa: E402
 
@@ -65,10 +65,6 @@ def heuristic(tape, b: int, kicks: bool) -> tuple[float | None, float]:
 def budgets(tape) -> list[int]:
     lo, hi = floor_of(tape), int(estimate(tape)[0] * 0.9)
     return [int(b) for b in np.unique(np.linspace(hi, lo, 5).astype(int))[::-1]]
-
-
-def fmt(s: float | None) -> str:
-    return "—" if s is None else f"{s * 1e6:.3f}"
 
 
 def cells() -> None:

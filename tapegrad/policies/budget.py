@@ -272,12 +272,13 @@ class Budget:
 
         fixed = _keep_effects(tape, fixed)
         choose = getattr(self.base, "choose", None)
-        hints = [
-            (P.PREFER_RECOMPUTE if i in rebuilt else choose(r) if choose is not None else None)
-            if f is None
-            else None
-            for i, (r, f) in enumerate(zip(tape.records, fixed))
-        ]
+
+        def hint(r: Record) -> Any:
+            if r.index in rebuilt:
+                return P.PREFER_RECOMPUTE
+            return choose(r) if choose is not None else None
+
+        hints = [hint(r) if f is None else None for r, f in zip(tape.records, fixed)]
         key = (search.structure_key(tape, fixed), tuple(hints))
         if key in self._plans:
             dec, self.last, canon, self._res_canon = self._plans[key]
@@ -556,11 +557,7 @@ class Budget:
             # the bench's 69-record DAG, and fitted nothing.)
             return []
         starts = [(c[2], c[3]) for c in fitting[:1]]
-        starts += [
-            (sc.with_fixed("save" if keep(r) else "recompute" for r in tape.records), name)
-            for name, keep in search.CLASSES.items()
-            if name in JOINT_CLASSES
-        ]
+        starts += _class_starts(sc)
         starts += [(c[2], c[3]) for c in fitting[1:2]]
         best = fitting[0][0]
         out: list[list[Any]] = []
@@ -752,6 +749,18 @@ def _save_recompute(
     return sc, sc.best
 
 
+def _class_starts(sc: Any) -> list[tuple[tuple[str, ...], str]]:
+    """The plans of `JOINT_CLASSES` (binding decisions applied), by name: where the
+    descents start besides the best plan found."""
+    from tapegrad.policies import _planner_search as search
+
+    return [
+        (sc.with_fixed("save" if keep(r) else "recompute" for r in sc.tape.records), name)
+        for name, keep in search.CLASSES.items()
+        if name in JOINT_CLASSES
+    ]
+
+
 def _descend_flops(sc: Any) -> None:
     """`_planner_search.iterate_joint` scored by recompute flops (bytes over the budget
     where a plan does not fit): descents from the best plan found (else the least peak
@@ -768,11 +777,7 @@ def _descend_flops(sc: Any) -> None:
         return (0, flops) if peak <= sc.budget else (1, float(peak - sc.budget))
 
     starts = [sc.best[2] if sc.best is not None else sc.floor_plan]
-    starts += [
-        sc.with_fixed("save" if keep(r) else "recompute" for r in sc.tape.records)
-        for name, keep in search.CLASSES.items()
-        if name in JOINT_CLASSES
-    ]
+    starts += [dec for dec, _ in _class_starts(sc)]
     n = max(sc.n, 1)
     search.iterate_joint(
         sc, [s for s in starts if s is not None], cost, JOINT_WORK // n, JOINT_KICK_WORK // n
