@@ -134,6 +134,7 @@ class Model:
     base: np.ndarray  # (points, columns): what a segment run at t finds held from t - 1
     runs: list  # (point t, columns, coefficients): bytes at a run at t (b[t] = base[t])
     budget: int
+    early: list = dataclasses.field(default_factory=list)  # per g: (column, key, points, pairs)
 
     @property
     def columns(self) -> int:
@@ -167,6 +168,11 @@ class Model:
         for hcol, k, _, qs in self.holds:
             big = self.opts.stored[k].max()
             z[hcol] = max([0.0] + [stored[k] + big * (z[q] - z[c] - 1.0) for q, c in qs])
+        for gcol, k, _, qs in self.early:
+            m = choice.get(self.keys[k])
+            if m is not None:
+                big = self.opts.copied[k].max()
+                z[gcol] = max([0.0] + [self.opts.copied[k, m] - big * (1.0 - z[c]) for _, c in qs])
         for hcol, k, q, coef in self.claims:
             m = choice.get(self.keys[k])
             if m is not None:
@@ -323,6 +329,26 @@ def build(
         and pts.stop <= win[paired[k][0]][0]
         and any(q == paired[k][0] for q, _ in zq)
     ]
+    # g[v, t]: the copy of kept v a re-run reader's segment made when it ran, held from
+    # that run to v's last use, before v's first residual use (where its copy term
+    # starts). Points with the same (reader, z column) pairs share one g.
+    early: list[tuple[int, int, range, tuple]] = []
+    for uid, qs in readers.items():
+        ku = kidx[uid]
+        if uid not in first or opts.copied[ku].max() <= 0:
+            continue
+        espan: list[tuple[list[int], tuple]] = []
+        for t in range(1, max(1, first[uid] - prefetch)):
+            zq = tuple((q, c) for q in qs if (c := z_col(q, t)) is not None)
+            if not zq:
+                continue
+            if espan and espan[-1][1] == zq and espan[-1][0][-1] == t - 1:
+                espan[-1][0].append(t)
+            else:
+                espan.append(([t], zq))
+        for pts, zq in espan:
+            early.append((col, ku, range(pts[0], pts[-1] + 1), zq))
+            col += 1
     b0 = col - 1  # b[t], t = 1..T-1: bytes a segment run at t finds held (base[t])
     ncol = col + T - 1
     cost = np.zeros(ncol)
@@ -337,6 +363,9 @@ def build(
     for hcol, k, _, _ in holds:
         upper[hcol] = float(opts.stored[k].max())
         integer[hcol] = False
+    for gcol, k, _, _ in early:
+        upper[gcol] = float(opts.copied[k].max())
+        integer[gcol] = False
     upper[b0 + 1 :] = np.inf
     integer[b0 + 1 :] = False
     ycol_of: list[list[int]] = [[] for _ in range(K)]
@@ -385,6 +414,12 @@ def build(
         co = [-float(opts.stored[k, ycols[c - n][1]]) for c in ys]
         for q, zc in zq:
             row([hcol, q, zc] + ys, [1.0, -big, big] + co, -big, np.inf)
+    for gcol, k, _, zq in early:
+        big = float(opts.copied[k].max())
+        ys = ycol_of[k]
+        co = [-float(opts.copied[k, ycols[c - n][1]]) for c in ys]
+        for _, zc in zq:
+            row([gcol, zc] + ys, [1.0, -big] + co, -big, np.inf)
     for hcol, k, q, coef in claims:
         ys = ycol_of[k]
         big = float(coef.max())
@@ -404,7 +439,7 @@ def build(
             mem[first[key] : last[key] + 1, p] += full[k]
             for t in range(win[p][0] if p in win else first[key], first[key]):
                 mem[t, z_col(p, t)] += full[k]  # from its run on
-    for hcol, _, span_t, _ in holds:
+    for hcol, _, span_t, _ in holds + early:
         mem[span_t.start : span_t.stop, hcol] += 1.0
 
     # Segment runs. base[t]: what any run at t finds held, every value by itself: kept
@@ -427,6 +462,14 @@ def build(
                 zc = z_col(p, t - 1)
                 if zc is not None and t >= 2:
                     kterm[k].setdefault(zc, np.zeros(T))[t] += full[k]
+    for gcol, k, span_t, _ in early:  # a copy held at t - 1 is held at a run at t
+        vec = np.zeros(T)
+        vec[span_t.start + 1 : min(span_t.stop + 1, T)] = 1.0
+        kterm[k][gcol] = vec
+    for hcol, k, span_t, _ in holds:  # a reader that has not run by t runs after t
+        vec = np.zeros(T)
+        vec[span_t.start : span_t.stop] = 1.0
+        kterm[k][hcol] = vec
     for k in range(K):
         for zc, vec in kterm[k].items():
             base[:, zc] += vec
@@ -470,7 +513,7 @@ def build(
             runs.append((t, cols, np.array([terms[zc] for zc in cols])))
     return Model(
         n, keys, kprod, opts, ycols, win, holds, claims, order, cost, upper, integer, rows, mem,
-        base, runs, int(budget),
+        base, runs, int(budget), early,
     )  # fmt: skip
 
 
