@@ -109,6 +109,7 @@ from tapegrad.policies._cost import CostModel, device_nbytes
 __all__ = ["Model", "build", "WINDOW"]
 
 WINDOW: int | None = 8  # points before a need where runs are modelled, for the bound
+SUPPORT_LAYERS = 3  # support rows per run column: balls of radius 0..3, then the component
 
 
 @dataclasses.dataclass
@@ -408,6 +409,41 @@ def build(
                         continue
                     row([a, b, i, q], [1.0, -1.0, 1.0, 1.0], -np.inf, 2.0)
                     row([b, a, i, q], [1.0, -1.0, 1.0, 1.0], -np.inf, 2.0)
+    # a record runs before its need only with its segment, through a re-run neighbour
+    # that has run by then (a segment runs at its first need: a record alone, at its own)
+    adj: dict[int, set[int]] = {i: set() for i in win}
+    for r in recs:
+        for u in r.inputs:
+            if isinstance(u, Var) and u.id in producer and can_rerun[r.index]:
+                j = producer[u.id]
+                if can_rerun[j] and j != r.index:
+                    adj.setdefault(r.index, set()).add(j)
+                    adj.setdefault(j, set()).add(r.index)
+
+    def boundary(ball: set[int]) -> set[int]:
+        return {j for a in ball for j in adj.get(a, ()) if need[j] > 0} - ball
+
+    def zc_or_x(j: int, t: int) -> int:
+        c = z_col(j, t)
+        return j if c is None else c
+
+    for i, (start, f, c) in win.items():
+        for t in range(start, f):
+            # balls around i through records needed only after t: i's segment, run by t,
+            # leaves each through a record of its boundary (it holds one needed by t)
+            ball = {i}
+            for layer in range(SUPPORT_LAYERS + 1):
+                edge = boundary(ball)
+                inner = {j for j in edge if need[j] > t}
+                while layer == SUPPORT_LAYERS and inner:  # the last: the whole component
+                    ball |= inner
+                    edge = boundary(ball)
+                    inner = {j for j in edge if need[j] > t}
+                nb = sorted({zc_or_x(j, t) for j in edge})
+                row([c + t - start] + nb, [1.0] + [-1.0] * len(nb), -np.inf, 0.0)
+                if not inner:
+                    break
+                ball |= inner
     for hcol, k, _, zq in holds:
         big = float(opts.stored[k].max())
         ys = ycol_of[k]
