@@ -23,20 +23,30 @@ backward order; `_planner_joint.timeline`'s record points):
   values), or, for a record with none, the latest need of the re-run records reading
   it. ``z[i, t] = x[i]`` from ``F_i`` on (no column); columns for the ``WINDOW`` points
   before; earlier, not modelled. Rows: ``z[i, t] ≤ z[i, t + 1]``; for ``j`` reading
-  ``i``'s output, ``|z[i, t] − z[j, t]| ≤ 2 − x[i] − x[j]``;
+  ``i``'s output, ``|z[i, t] − z[j, t]| ≤ 2 − x[i] − x[j]``; support: for ``t < F_i``
+  and a set ``B ∋ i`` of records whose needs are all after ``t`` (balls of radius 0..3
+  around ``i`` through such records, then their whole connected component),
+  ``z[i, t] ≤ Σ_{j ∈ ∂B} z[j, t]`` (``∂B``: the re-runnable records adjacent to ``B``
+  and outside it, those with a need; ``x[j]`` where ``z[j, t]`` has no column);
 * ``h[u, t] ≥ Σ_m stored[u, m]·y[u, m] − S_u·(1 − x[q] + z[q, t'])`` (bytes; ``S_u``
   its most stored bytes) for each ``q`` that may re-run reading ``u``, ``t < F_q``,
   ``t' = max(t, q's first column)``: ``u`` kept for ``q``'s run, past ``L_u``; before
   ``q``'s window also, for one pair per ``u`` and per ``q`` (``w`` a residual of
   ``q``), ``h[u, t] ≥ Σ_m min(stored[u, m], full_w)·y[u, m] − C·(1 − x[q])``;
+* ``g[v, t] ≥ Σ_m copy[v, m]·y[v, m] − C_v·(1 − z[q, t])`` (bytes; ``C_v`` its most
+  copy bytes) for each ``q`` that may re-run reading ``v``, ``1 ≤ t < U_v``, where
+  ``z[q, t]`` is modelled: ``v``'s copy, made at ``q``'s run, before ``v``'s own first
+  use;
 * cost: ``Σ x[i]·flops_i / flops_per_s + Σ y[v, m]·seconds[v, m]``;
 * bytes at point ``t``: a kept value, ``stored[v, m]`` over ``[0, L_v]`` and
   ``copy[v, m]`` over ``[U_v, L_v]`` (``L_v``: its last residual use, 0 when it has
   none; ``U_v``: its first residual use, ``prefetch`` records earlier); a residual
   ``w`` of ``p``, ``full_w·z[p, t]`` up to ``L_w``; ``h[u, t]`` past ``L_u``;
+  ``g[v, t]`` before ``U_v``;
 * bytes at a run at ``t``, per ``q`` whose ``Δ[q, t] = z[q, t] − z[q, t − 1]`` is
   modelled: ``base[t]`` (the kept values' stored bytes to ``L_v ≥ t``, their copies
-  from ``U_v ≤ t − 1``, residuals ``full_w·z[p, t − 1]`` to ``L_w ≥ t``) less the
+  from ``U_v ≤ t − 1``, residuals ``full_w·z[p, t − 1]`` to ``L_w ≥ t``, ``h[u, t]``,
+  ``g[v, t − 1]``) less the
   terms of ``q``'s inputs, ``+ Δ[q, t]·(bytes of q's outputs and inputs)`` ``+
   Σ Δ[p, t]·(p's residuals)`` over ``q``'s parents ``p`` (those not ``q``'s inputs);
   every point and run row ``≤ budget``.
@@ -44,8 +54,8 @@ backward order; `_planner_joint.timeline`'s record points):
 Why every plan the executor runs is feasible here, at the same cost and no more bytes
 (tapes without checkpoint regions or loop records: `build` returns None on others):
 set ``x`` = the records of its segments, ``y`` = its kept keys (`Tape.residual_keys`)
-with their mechanisms, ``z[i, t]`` = [``i``'s segment has run by ``t``], ``h`` at its
-lower limit.
+with their mechanisms, ``z[i, t]`` = [``i``'s segment has run by ``t``], ``h`` and ``g``
+at their lower limits.
 
 1. Logic. Without regions, the records a re-run record reads from, if re-run, are in
    its connected component, so in its segment (pruning keeps ancestors of outputs);
@@ -55,7 +65,15 @@ lower limit.
    kept. A segment runs at the first use of any of its recomputed values, so by
    ``F_i`` for each of its records with a residual; one without is in it through a
    re-run reader (pruning), so it runs by that reader's need. Adjacent re-run records
-   are in one segment: equal ``z``.
+   are in one segment: equal ``z``. Support: the planner's segments (`build_segments`
+   without free rebuilds or regions) are the connected components of the needed
+   records (a needed record's re-run reader is needed, in its group; so no group's
+   wanted value is another's input, every group is active, and pruning keeps all of
+   it), so connected, and a record with no need (0) is in none. If ``i``'s segment
+   ``C`` has run by ``t < F_i``, it ran at the first use of a residual of some
+   ``m ∈ C``, so ``F_m ≤ t`` and ``m ∉ B``; a path from ``i`` to ``m`` inside ``C``
+   leaves ``B`` through some ``j ∈ ∂B ∩ C``, whose ``z[j, t]`` (or ``x[j]`` ``≥`` it)
+   is 1.
 2. Cost. Segments are disjoint and each runs once: `simulate`'s flops are
    ``Σ_{i in a segment} flops_i``. Mechanism seconds are per kept key (`options` is
    computed here from the same shapes): equal. ``z`` and ``h`` cost nothing.
@@ -72,6 +90,10 @@ lower limit.
    by ``F_w``; at ``t`` either it has not run and ``u`` is held, or it has and ``w``
    is held to ``L_w ≥ F_w > t``: at least the smaller. Each ``q`` (so each ``w``) is
    in one pair, and a ``w`` is recomputed, so no ``h`` of its own claims it.
+   ``g[v, t] > 0`` only if ``v`` is kept with copy bytes and a re-run reader's segment
+   has run by ``t``: ``v`` (its producer not re-run) is that segment's input, copied
+   at its run (`timeline`: ``copy`` of each segment input) and released no earlier
+   than ``L_v ≥ U_v > t``; the copy term starts at ``U_v``, so nothing counts it twice.
 4. Bytes at a run. If ``q``'s segment runs at ``t``, at ``q``'s step of it the run
    point holds: every ``base[t]`` term (kept values still to be used, copies already
    made, outputs of earlier runs still to be used: none of them the segment's own);
@@ -80,17 +102,25 @@ lower limit.
    and the residuals of ``q``'s re-run parents (in the segment, earlier, kept to its
    end). If ``q`` does not run at ``t``, the row is ``base[t]`` (less some terms) and
    the residuals of segments running at ``t``: held at the last run at ``t``, or at
-   point ``t − 1`` if none runs.
+   point ``t − 1`` if none runs. ``h[u, t] > 0`` says a reader's segment runs after
+   point ``t``, so ``u`` is held through every run at ``t`` (a pair's ``h``: ``u``
+   until its reader runs, ``w`` from then on, ``L_w > t``); a copy ``g[v, t − 1]``
+   counts is held to ``L_v ≥ U_v ≥ t``. Both sit in ``v``'s (``u``'s) terms of
+   ``base``, which a row for a ``q`` reading it subtracts before adding its full
+   bytes.
 
 So the ILP's optimum ≤ the least predicted time of any executor plan within the
 budget, and ``tests/policies/test_planner_ilp_joint.py`` checks the steps on random
 plans (`Model.at_plan`): the logic rows hold, the objective equals, each point's and
 each run row's modelled bytes are ≤ the executor's there. Where it is still loose: a
-segment may run earlier than its first need (``z`` is bounded from above only);
-runs more than ``WINDOW`` points before a need are not modelled; a run row sees one
-record's step (its inputs, outputs and its parents' residuals, not its grandparents'
-nor the segment's other intermediates). `_planner_ilp_joint.solve` reports the bound
-HiGHS proved even when it stops at its time limit.
+segment may run earlier than its first need when a re-run record needed by then is
+next to a set of records needed later (the support rows do not ask for a re-run path
+to it); runs more than ``WINDOW`` points before a need are not modelled (a run at a
+window's first point has no run row); two segments running at one point do not see
+each other's values; a run row sees one record's step (its inputs, outputs and its
+parents' residuals, not its grandparents' nor the segment's other intermediates).
+`_planner_ilp_joint.solve` reports the bound HiGHS proved even when it stops at its
+time limit.
 """
 
 from __future__ import annotations
@@ -115,7 +145,8 @@ SUPPORT_LAYERS = 3  # support rows per run column: balls of radius 0..3, then th
 @dataclasses.dataclass
 class Model:
     """The relaxation's columns (``x`` per record, then ``y`` per (key, mechanism), then
-    ``z`` per (record, point of its run window), then ``h`` per (kept value, point)),
+    ``z`` per (record, point of its run window), then ``h`` per (kept value, point),
+    then ``g`` per (kept value, point) before its first use),
     objective, bounds, logic rows and byte rows (one per point)."""
 
     n: int

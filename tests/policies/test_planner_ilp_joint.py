@@ -202,6 +202,37 @@ def _assert_pointwise_below(model, z, tl, opts, choice):
         assert v <= live[pos[t - 1] : pos[t]].max() + 1e-6, (t, v, live[pos[t - 1] : pos[t]])
 
 
+@pytest.mark.parametrize("name", ["unet", "dag", "block"])
+def test_early_copies_held_inputs_and_support_rows_hold_at_executor_plans_and_bind(name):
+    """The rows that tighten the bound (`_planner_ilp_joint_model`: early copies ``g``,
+    held inputs ``h`` in the run rows' base, support rows) on random executor plans of
+    a U-Net, a random DAG and transformer blocks: every row holds at the plan's columns
+    (`Model.at_plan`) and its bytes stay below the executor's at each point and run;
+    some copies are counted early and some records run before their own need (with a
+    neighbour); and letting every re-run record run at its window's first point, with
+    nothing else changed, breaks a support row."""
+    f, args = small_models()[name]
+    tape = tg.trace(f, argnums=0)(*args)
+    n = len(tape.records)
+    mechs = ("offload", "bf16")
+    model = J.build(tape, [None] * n, 1 << 60, mechs, COSTS, 0)
+    assert model.early
+    copies = early = broken = 0
+    for planned, tl, opts, choice in _random_plans(tape, [None] * n, mechs, 0, 80, 2):
+        z = model.at_plan(planned, {k: int(c) for k, c in zip(tl.keys, choice)})
+        assert model.check(z)[0]
+        _assert_pointwise_below(model, z, tl, opts, choice)
+        copies += sum(z[c] > 0 for c, _, _, _ in model.early)
+        early += sum(z[c + f_ - 1 - s] > 0.5 for s, f_, c in model.window.values())
+        bad = z.copy()
+        for i, (s, f_, c) in model.window.items():
+            bad[c : c + f_ - s] = bad[i]
+        for cols, coef, _, hi in model.rows:
+            support = hi == 0.0 and coef[0] == 1.0 and len(cols) > 2 and np.all(coef[1:] == -1)
+            broken += support and float(np.dot(coef, bad[cols])) > hi + 1e-9
+    assert copies > 0 and early > 0 and broken > 0, (copies, early, broken)
+
+
 def test_the_relaxation_rejects_what_the_executor_cannot_do():
     """The rows are not trivially satisfied: a residual neither kept nor recomputed, or
     a binding save re-run, breaks one; save-all's modelled peak is its exact peak."""
