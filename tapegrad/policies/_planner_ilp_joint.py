@@ -30,6 +30,9 @@ __all__ = [
     "build",
     "solve",
     "plan_candidate",
+    "Optimum",
+    "optimum",
+    "plan_seconds",
     "MAX_RECORDS",
     "TIME_LIMIT_S",
     "WINDOW",
@@ -57,16 +60,13 @@ class Solution:
     solve_s: float
 
 
-def solve(model: Model, time_limit: float = TIME_LIMIT_S) -> Solution:
-    """Solve the relaxation; the bound is HiGHS's proved dual bound (the optimum when
-    it finished)."""
+def _load(model: Model):
+    """A HiGHS instance holding ``model``, and the cost scale it is solved in."""
     import highspy
 
     from tapegrad.policies._planner_ilp import _highs
 
-    t0 = time.perf_counter()
     h = _highs()
-    h.setOptionValue("time_limit", float(time_limit))
     h.setOptionValue("mip_rel_gap", 1e-6)
     h.setOptionValue("mip_abs_gap", 1e-9)
     inf = highspy.kHighsInf
@@ -89,6 +89,13 @@ def solve(model: Model, time_limit: float = TIME_LIMIT_S) -> Solution:
         h.addRow(-inf, float(model.budget), len(nz), nz.astype(np.int32), model.mem[t, nz])
     for _, cols, coef in model.runs:
         h.addRow(-inf, float(model.budget), len(cols), cols.astype(np.int32), coef)
+    return h, scale
+
+
+def _run(h, model: Model, scale: float, time_limit: float, t0: float) -> Solution:
+    import highspy
+
+    h.setOptionValue("time_limit", float(time_limit))
     h.run()
     status = h.getModelStatus()
     info = h.getInfo()
@@ -115,6 +122,139 @@ def solve(model: Model, time_limit: float = TIME_LIMIT_S) -> Solution:
     ni = model.n + len(model.ycols)
     secs = float(model.cost[:ni] @ np.round(z[:ni]))  # z and h cost nothing
     return Solution(name, bound, secs, dec, mech, time.perf_counter() - t0)
+
+
+def solve(model: Model, time_limit: float = TIME_LIMIT_S) -> Solution:
+    """Solve the relaxation; the bound is HiGHS's proved dual bound (the optimum when
+    it finished)."""
+    t0 = time.perf_counter()
+    h, scale = _load(model)
+    return _run(h, model, scale, time_limit, t0)
+
+
+def plan_seconds(
+    index,
+    dec: Sequence[str],
+    budget: int,
+    mechanisms: tuple[str, ...],
+    costs: CostModel,
+    prefetch: int = 0,
+) -> float | None:
+    """Predicted seconds of the executor's plan for decisions ``dec`` (``index``: the
+    tape's `TapeIndex`) with the exact mechanisms (`_planner_ilp.solve`) and copies
+    brought back ``prefetch`` records ahead; None when no assignment fits ``budget``."""
+    from tapegrad.policies import _planner_ilp
+
+    tl = joint.timeline(index.planned(tuple(dec)), prefetch, index._seg_memo)
+    opts = joint.options(tl, mechanisms, costs)
+    choice = _planner_ilp.solve(tl, opts, budget, time_limit=10.0)
+    if choice is None:
+        return None
+    peak, secs = joint.evaluate(tl, opts, choice)
+    return secs + costs.recompute_s(tl.recompute_flops) if peak <= budget else None
+
+
+@dataclasses.dataclass
+class Optimum:
+    """What `optimum` proved: ``decisions`` and ``seconds``, the fastest executor plan
+    it found within the budget (None: none); ``lower``: seconds no executor plan
+    within the budget beats; ``proved``: ``seconds`` is the optimum (``lower ≥
+    seconds``), or no plan fits (``seconds`` None, ``lower`` inf); ``relaxation``: the
+    model's bound before any cut; ``cuts``; ``solve_s``: wall seconds."""
+
+    decisions: tuple[str, ...] | None
+    seconds: float | None
+    lower: float
+    proved: bool
+    relaxation: float | None
+    cuts: int
+    solve_s: float
+
+
+def optimum(
+    tape: Tape,
+    fixed: Sequence[str | None],
+    budget: int,
+    mechanisms: tuple[str, ...],
+    costs: CostModel,
+    time_limit: float = TIME_LIMIT_S,
+    starts: Sequence[Sequence[str]] = (),
+    prefetch: int = 0,
+    window: int | None = WINDOW,
+) -> Optimum | None:
+    """The fastest executor plan within ``budget``, proved, by cutting the relaxation
+    (`build`) down to the executor's plans; None when highspy is missing or the tape is
+    outside the model. Repeat: solve the model with the cuts so far (optimum
+    ``LB_k``, decisions ``x*``); score ``x*`` exactly (`plan_seconds`), ``UB =
+    min(UB, its seconds)``; cut it off, ``Σ_{x*_i = 1} (1 − x_i) + Σ_{x*_i = 0} x_i ≥
+    1`` over the free records. Every executor plan is some ``x`` with mechanisms:
+    either ``x`` was cut, and its seconds are ``≥ UB``, or it is feasible in the cut
+    model, and they are ``≥ LB_k``. So ``max_k min(UB_k, LB_k)`` is a lower bound at
+    every step, and once it reaches ``UB`` (or the cut model is infeasible) ``UB`` is
+    the optimum. ``starts``: plans scored and cut first (a planner's best, say: ``UB``
+    starts there). ``prefetch``: copies brought back that many records ahead (0, at
+    first use: the fewest bytes at the same predicted seconds, so the optimum over
+    every depth). Stops at ``time_limit`` seconds with what it proved."""
+    from tapegrad.policies import _planner_ilp
+    from tapegrad.policies._planner_fast import TapeIndex
+
+    if not _planner_ilp.available():
+        return None
+    t0 = time.perf_counter()
+    model = build(tape, fixed, budget, mechanisms, costs, prefetch, window)
+    if model is None:
+        return None
+    import highspy
+
+    index = TapeIndex(tape)
+    h, scale = _load(model)
+    # the cuts' records: the others are bound (`fixed`, or kept by the model)
+    free = np.array(
+        [i for i in range(model.n) if fixed[i] is None and model.upper[i] > 0], np.int32
+    )
+    cut: set[tuple[str, ...]] = set()
+    best: tuple[str, ...] | None = None
+    ub: float | None = None
+
+    def fix(dec: Sequence[str]) -> tuple[str, ...]:
+        return tuple(f if f is not None else d for f, d in zip(fixed, dec))
+
+    def score_and_cut(dec: tuple[str, ...]) -> None:
+        nonlocal best, ub
+        v = plan_seconds(index, dec, budget, mechanisms, costs, prefetch)
+        if v is not None and (ub is None or v < ub):
+            best, ub = dec, v
+        rec = np.array([dec[i] == "recompute" for i in free])
+        h.addRow(1.0 - rec.sum(), highspy.kHighsInf, len(free), free, np.where(rec, -1.0, 1.0))
+        cut.add(dec)
+
+    relaxation = None
+    lower = 0.0
+    while True:
+        left = time_limit - (time.perf_counter() - t0)
+        if left <= 0:
+            break
+        sol = _run(h, model, scale, left, t0)
+        first = relaxation is None
+        if first:
+            relaxation = sol.bound
+            for dec in {fix(d): None for d in starts}:
+                score_and_cut(dec)
+        if sol.bound is not None:
+            lower = max(lower, sol.bound if ub is None else min(ub, sol.bound))
+        if sol.decisions is None or sol.status != "optimal":
+            break
+        if ub is not None and lower >= ub * (1 - 1e-9):
+            break
+        dec = fix(sol.decisions)
+        if dec not in cut:
+            score_and_cut(dec)
+        elif not first:  # cannot happen: its cut excludes it (guards the loop)
+            break
+    if ub is not None:
+        lower = min(lower, ub)
+    proved = lower == float("inf") or (ub is not None and lower >= ub * (1 - 1e-9))
+    return Optimum(best, ub, lower, proved, relaxation, len(cut), time.perf_counter() - t0)
 
 
 def plan_candidate(
