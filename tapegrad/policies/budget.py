@@ -841,14 +841,17 @@ def _joint_ilp_candidate(
     other plans) when highspy is importable and the tape is small enough; else none.
     Two models: without run variables (solved in a fraction of a second, so a plan even
     where the larger one stops at its time limit) and with them (closer to the
-    executor's schedule, often a better plan)."""
+    executor's schedule, often a better plan: the bound's window on tapes of at most
+    `_planner_ilp_joint.WIDE_RECORDS` records, which HiGHS solves within the time limit
+    there, `PLAN_WINDOW` above)."""
     from tapegrad.policies import _planner_ilp_joint as J
 
     # planned with copies one record ahead, as `Budget._plan_joint` plans first
     prefetch = 1 if "offload" in pol.mechanisms else resolve_prefetch(pol, tape)
     mechs = _no_lowbit(pol.mechanisms)
     out: list[tuple[tuple, str]] = []
-    for window in (0, J.PLAN_WINDOW):
+    wide = len(tape.records) <= J.WIDE_RECORDS
+    for window in (0, J.WINDOW if wide else J.PLAN_WINDOW):
         dec = J.plan_candidate(tape, fixed, pol.bytes, mechs, costs, prefetch, window=window)
         if dec is not None and all(dec != d for d, _ in out):
             out.append((dec, "joint ILP"))
