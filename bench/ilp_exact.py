@@ -2,7 +2,7 @@
 ILP's relaxation cut down to the executor's plans by no-good cuts), and `Budget`'s gap
 to it:
 
-    python bench/ilp_exact.py [--cells quick|all] [--seconds S] [--budgets N]
+    python bench/ilp_exact.py [--cells quick|all] [--records 69,90] [--seconds S] [--budgets N]
 
 `_planner_ilp_joint`'s model is a relaxation: its optimum is below every executor plan
 within the budget, but its decisions may not fit the budget under the executor's
@@ -61,6 +61,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--budgets", type=int, default=5)
     ap.add_argument("--any-depth", action="store_true")
+    ap.add_argument("--records", default="", help="only tapes of these sizes, e.g. 69,90")
     args = ap.parse_args()
     print(
         "| family | size | records | budget (% save) | prefetch | Budget | heuristic "
@@ -71,7 +72,9 @@ def main() -> None:
     for fam, size, f, fargs in families(args.cells == "quick"):
         tape = tg.trace(f, argnums=0)(*fargs)
         n = len(tape.records)
-        if args.cells == "quick" and n > 60:
+        if args.cells == "quick" and n > 60 and not args.records:
+            continue
+        if args.records and str(n) not in args.records.split(","):
             continue
         full = estimate(tape)[0]
         lo = floor_of(tape)
