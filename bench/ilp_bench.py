@@ -42,6 +42,7 @@ from tapegrad.policies import _planner_ilp  # noqa: E402
 from tapegrad.policies import _planner_ilp_joint as J  # noqa: E402
 from tapegrad.policies import _planner_joint as joint  # noqa: E402
 from tapegrad.policies._cost import CostModel  # noqa: E402
+from tapegrad.policies._planner_fast import TapeIndex  # noqa: E402
 from tapegrad.policies._planner_search import Scorer  # noqa: E402
 from tapegrad.policies.budget import Budget, BudgetError, estimate  # noqa: E402
 from tests.policies.test_planner_ilp_joint import (  # noqa: E402
@@ -95,16 +96,11 @@ def floor_of(tape):
 
 
 def plan_time(tape, fixed, dec, b):
-    """Predicted seconds of decisions ``dec`` with exact mechanisms, or None if no
-    assignment fits ``b``."""
-    sc = Scorer(tape, fixed, b)
-    tl = joint.timeline(sc.planned(dec), 1, sc._memo)
-    opts = joint.options(tl, MECHS, COSTS)
-    c = _planner_ilp.solve(tl, opts, b, time_limit=10.0)
-    if c is None:
-        return None
-    peak, secs = joint.evaluate(tl, opts, c)
-    return secs + COSTS.recompute_s(tl.recompute_flops) if peak <= b else None
+    """Predicted seconds of decisions ``dec`` with exact mechanisms (copies one record
+    ahead), or None if no assignment fits ``b``."""
+    return J.plan_seconds(
+        TapeIndex(tape), Scorer(tape, fixed, b).with_fixed(dec), b, MECHS, COSTS, 1
+    )
 
 
 def fmt(s):
