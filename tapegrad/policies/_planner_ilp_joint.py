@@ -293,7 +293,8 @@ def plan_candidate(
     deadline = time.perf_counter() + time_limit
     for _ in range(tries):
         left = deadline - time.perf_counter()
-        model = build(tape, fixed, target, mechanisms, costs, prefetch, window)
+        # without the bound's ``r`` columns: Budget's decoding as measured before them
+        model = build(tape, fixed, target, mechanisms, costs, prefetch, window, early_runs=False)
         if model is None or left <= 0:
             break
         sol = solve(model, left)

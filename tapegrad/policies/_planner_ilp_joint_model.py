@@ -28,11 +28,21 @@ backward order; `_planner_joint.timeline`'s record points):
   around ``i`` through such records, then their whole connected component),
   ``z[i, t] ≤ Σ_{j ∈ ∂B} z[j, t]`` (``∂B``: the re-runnable records adjacent to ``B``
   and outside it, those with a need; ``x[j]`` where ``z[j, t]`` has no column);
+* ``r[i, t]`` in [0, 1] for ``1 ≤ t < s_i`` (before ``i``'s window, first point
+  ``s_i``): a lower limit on "``i``'s segment has run by ``t``". Write ``R(i, t)`` for
+  ``r[i, t]``, ``z[i, t]`` or ``x[i]``, whichever ``t`` has. Rows, for re-runnable
+  neighbours ``a``, ``p`` (one reads the other's output) where one of the two is an
+  ``r``: ``R(p, t) ≥ R(a, t) + x[p] − 1`` (no upper limit: a monotone one made the
+  58-record U-Net at 70% unsolved at 10 s);
 * ``h[u, t] ≥ Σ_m stored[u, m]·y[u, m] − S_u·(1 − x[q] + z[q, t'])`` (bytes; ``S_u``
   its most stored bytes) for each ``q`` that may re-run reading ``u``, ``t < F_q``,
-  ``t' = max(t, q's first column)``: ``u`` kept for ``q``'s run, past ``L_u``; before
-  ``q``'s window also, for one pair per ``u`` and per ``q`` (``w`` a residual of
-  ``q``), ``h[u, t] ≥ Σ_m min(stored[u, m], full_w)·y[u, m] − C·(1 − x[q])``;
+  ``t' = max(t, q's first column)`` (``R(q, t)`` in place of ``z[q, t']`` where ``r``
+  has a column): ``u`` kept for ``q``'s run, past ``L_u``; before ``q``'s window also,
+  for one pair per ``u`` and per ``q`` (``w`` a residual of ``q``), ``h[u, t] ≥ Σ_m
+  min(stored[u, m], full_w)·y[u, m] − C·(1 − x[q])`` — or, with ``r``, in a column
+  ``c[u, t]`` the run rows' base counts instead of ``h[u, t]``: ``c ≥ h[u, t]``,
+  ``c ≥ Σ_m min(stored[u, m], full_w)·y[u, m] − C·(1 − x[q] + R(q, t − 1))``
+  (``R(q, 0) = 0``);
 * ``g[v, t] ≥ Σ_m copy[v, m]·y[v, m] − C_v·(1 − z[q, t])`` (bytes; ``C_v`` its most
   copy bytes) for each ``q`` that may re-run reading ``v``, ``1 ≤ t < U_v``, where
   ``z[q, t]`` is modelled: ``v``'s copy, made at ``q``'s run, before ``v``'s own first
@@ -41,11 +51,12 @@ backward order; `_planner_joint.timeline`'s record points):
 * bytes at point ``t``: a kept value, ``stored[v, m]`` over ``[0, L_v]`` and
   ``copy[v, m]`` over ``[U_v, L_v]`` (``L_v``: its last residual use, 0 when it has
   none; ``U_v``: its first residual use, ``prefetch`` records earlier); a residual
-  ``w`` of ``p``, ``full_w·z[p, t]`` up to ``L_w``; ``h[u, t]`` past ``L_u``;
+  ``w`` of ``p``, ``full_w·R(p, t)`` up to ``L_w``; ``h[u, t]`` past ``L_u``;
   ``g[v, t]`` before ``U_v``;
 * bytes at a run at ``t``, per ``q`` whose ``Δ[q, t] = z[q, t] − z[q, t − 1]`` is
   modelled: ``base[t]`` (the kept values' stored bytes to ``L_v ≥ t``, their copies
-  from ``U_v ≤ t − 1``, residuals ``full_w·z[p, t − 1]`` to ``L_w ≥ t``, ``h[u, t]``,
+  from ``U_v ≤ t − 1``, residuals ``full_w·R(p, t − 1)`` to ``L_w ≥ t``, ``h[u, t]``
+  (``c[u, t]`` where it has one),
   ``g[v, t − 1]``) less the
   terms of ``q``'s inputs, ``+ Δ[q, t]·(bytes of q's outputs and inputs)`` ``+
   Σ Δ[p, t]·(p's residuals)`` over ``q``'s parents ``p`` (those not ``q``'s inputs);
@@ -54,8 +65,8 @@ backward order; `_planner_joint.timeline`'s record points):
 Why every plan the executor runs is feasible here, at the same cost and no more bytes
 (tapes without checkpoint regions or loop records: `build` returns None on others):
 set ``x`` = the records of its segments, ``y`` = its kept keys (`Tape.residual_keys`)
-with their mechanisms, ``z[i, t]`` = [``i``'s segment has run by ``t``], ``h`` and ``g``
-at their lower limits.
+with their mechanisms, ``z[i, t]`` and ``r[i, t]`` = [``i``'s segment has run by ``t``],
+``h``, ``g`` and ``c`` at their lower limits.
 
 1. Logic. Without regions, the records a re-run record reads from, if re-run, are in
    its connected component, so in its segment (pruning keeps ancestors of outputs);
@@ -73,7 +84,9 @@ at their lower limits.
    ``C`` has run by ``t < F_i``, it ran at the first use of a residual of some
    ``m ∈ C``, so ``F_m ≤ t`` and ``m ∉ B``; a path from ``i`` to ``m`` inside ``C``
    leaves ``B`` through some ``j ∈ ∂B ∩ C``, whose ``z[j, t]`` (or ``x[j]`` ``≥`` it)
-   is 1.
+   is 1. ``r``: if ``R(a, t) = 1``, ``a``'s segment has run by ``t`` (so ``a`` is
+   re-run); ``p``, re-run (``x[p] = 1``) and adjacent to ``a``, is in that segment, so
+   ``R(p, t) = 1``.
 2. Cost. Segments are disjoint and each runs once: `simulate`'s flops are
    ``Σ_{i in a segment} flops_i``. Mechanism seconds are per kept key (`options` is
    computed here from the same shapes): equal. ``z`` and ``h`` cost nothing.
@@ -90,6 +103,12 @@ at their lower limits.
    by ``F_w``; at ``t`` either it has not run and ``u`` is held, or it has and ``w``
    is held to ``L_w ≥ F_w > t``: at least the smaller. Each ``q`` (so each ``w``) is
    in one pair, and a ``w`` is recomputed, so no ``h`` of its own claims it.
+   With ``r`` (its exact value, the segment's run): ``full_w·r[p, t]`` counts ``w``, a
+   segment output, from its segment's run to ``L_w ≥ F_p > t``, at points before
+   ``p``'s window, where no other term counts it; ``h[u, t]`` with ``R(q, t)`` is the
+   row above with "``q``'s segment has not run by ``t``" read exactly; the pairs move
+   to ``c``, which only the run rows see (step 4), since at a point ``w`` is now
+   counted by ``r[q, t]`` once ``q``'s segment has run.
    ``g[v, t] > 0`` only if ``v`` is kept with copy bytes and a re-run reader's segment
    has run by ``t``: ``v`` (its producer not re-run) is that segment's input, copied
    at its run (`timeline`: ``copy`` of each segment input) and released no earlier
@@ -107,7 +126,12 @@ at their lower limits.
    until its reader runs, ``w`` from then on, ``L_w > t``); a copy ``g[v, t − 1]``
    counts is held to ``L_v ≥ U_v ≥ t``. Both sit in ``v``'s (``u``'s) terms of
    ``base``, which a row for a ``q`` reading it subtracts before adding its full
-   bytes.
+   bytes. ``full_w·R(p, t − 1)``: ``w`` held from a run by ``t − 1`` to ``L_w ≥ t``.
+   ``c[u, t]``: ``h[u, t]`` (above), or, if ``q`` is re-run, ``u`` kept and ``q``'s
+   segment has not run by ``t − 1`` (so ``w`` is in no ``R`` term of ``base[t]``), it
+   runs at ``t`` or later: at any run at ``t`` either it has not run yet and ``u``, its
+   input, is held, or it has and ``w`` is (``L_w ≥ F_q > t``); ``q`` is in one pair,
+   so no other ``c`` claims ``w``, and ``c`` replaces ``h[u, t]`` in ``base``.
 
 So the ILP's optimum ≤ the least predicted time of any executor plan within the
 budget, and ``tests/policies/test_planner_ilp_joint.py`` checks the steps on random
@@ -115,8 +139,10 @@ plans (`Model.at_plan`): the logic rows hold, the objective equals, each point's
 each run row's modelled bytes are ≤ the executor's there. Where it is still loose: a
 segment may run earlier than its first need when a re-run record needed by then is
 next to a set of records needed later (the support rows do not ask for a re-run path
-to it); runs more than ``WINDOW`` points before a need are not modelled (a run at a
-window's first point has no run row); two segments running at one point do not see
+to it; on a 58-record U-Net at 70% the relaxation's optimum runs a 3-record segment 4
+points early, 1 KiB less held at that run than the executor's plan); runs more than
+``WINDOW`` points before a need are seen only through ``r`` (no run row there, nor at
+a window's first point); two segments running at one point do not see
 each other's values; a run row sees one record's step (its inputs, outputs and its
 parents' residuals, not its grandparents' nor the segment's other intermediates).
 `_planner_ilp_joint.solve` reports the bound HiGHS proved even when it stops at its
@@ -167,6 +193,8 @@ class Model:
     runs: list  # (point t, columns, coefficients): bytes at a run at t (b[t] = base[t])
     budget: int
     early: list = dataclasses.field(default_factory=list)  # per g: (column, key, points, pairs)
+    before: dict = dataclasses.field(default_factory=dict)  # record -> column of r[i, 1]
+    shadows: list = dataclasses.field(default_factory=list)  # (c, h, key, q, bytes, r col)
 
     @property
     def columns(self) -> int:
@@ -197,6 +225,9 @@ class Model:
             if key in choice:
                 z[col[(k, choice[key])]] = 1.0
                 stored[k] = self.opts.stored[k, choice[key]]
+        for i, c0 in self.before.items():
+            for t in range(1, self.window[i][0]):
+                z[c0 + t - 1] = float(ran.get(i, never) <= t)
         for hcol, k, _, qs in self.holds:
             big = self.opts.stored[k].max()
             z[hcol] = max([0.0] + [stored[k] + big * (z[q] - z[c] - 1.0) for q, c in qs])
@@ -209,6 +240,11 @@ class Model:
             m = choice.get(self.keys[k])
             if m is not None:
                 z[hcol] = max(z[hcol], coef[m] - coef.max() * (1.0 - z[q]))
+        for ccol, hcol, k, q, coef, rc in self.shadows:
+            m = choice.get(self.keys[k])
+            ran_before = 0.0 if rc is None else z[rc]
+            lift = -1.0 if m is None else coef[m] - coef.max() * (1.0 - z[q] + ran_before)
+            z[ccol] = max(z[hcol], lift)
         b0 = self.columns - len(self.base) + 1
         z[b0:] = self.base[1:] @ z
         return z
@@ -236,10 +272,12 @@ def build(
     costs: CostModel,
     prefetch: int = 0,
     window: int | None = WINDOW,
+    early_runs: bool = True,
 ) -> Model | None:
     """The relaxation for ``tape`` at ``budget``; None on tapes with checkpoint regions
     or loop/branch records (outside the argument above). ``window``: how many points
-    before its need a record's run is modelled (None: all)."""
+    before its need a record's run is modelled (None: all). ``early_runs``: the columns
+    ``r`` (a run's residuals before the window, propagated along re-run neighbours)."""
     from tapegrad.policies.budget import _keep_effects
 
     recs = tape.records
@@ -315,6 +353,19 @@ def build(
         s, _, c = win[i]
         return c + t - s if t >= s else None
 
+    # r[i, t], t < i's window: a lower limit on "i's segment has run by t" (no column
+    # before: nothing counted), pushed up along re-run neighbours from records run by t
+    before: dict[int, int] = {}
+    if early_runs:
+        for i, (s0, _, _) in win.items():
+            if s0 > 1:
+                before[i] = col
+                col += s0 - 1
+
+    def run_col(i: int, t: int) -> int | None:
+        c = z_col(i, t)
+        return before[i] + t - 1 if c is None and i in before and t >= 1 else c
+
     # h[u, t]: bytes of kept u still held at t (past its last residual use) because a
     # re-run reader has not run yet
     holds: list[tuple[int, int, range, tuple]] = []
@@ -326,12 +377,16 @@ def build(
         span: list[tuple[list[int], tuple, tuple]] = []
         for t in range(lu + 1, max([win[q][1] for q in qs], default=0)):
             # before q's window: "q has not run by t" needs "not by its window's start"
-            zq = tuple((q, z_col(q, max(t, win[q][0]))) for q in qs if t < win[q][1])
-            before = tuple(t < win[q][0] for q in qs)  # a pair's row holds there only
-            if span and span[-1][1] == zq and span[-1][2] == before:
+            zq = tuple(
+                (q, run_col(q, t) if q in before else z_col(q, max(t, win[q][0])))
+                for q in qs
+                if t < win[q][1]
+            )
+            prior = tuple(t < win[q][0] for q in qs)  # a pair's row holds there only
+            if span and span[-1][1] == zq and span[-1][2] == prior:
                 span[-1][0].append(t)
             else:
-                span.append(([t], zq, before))
+                span.append(([t], zq, prior))
         for pts, zq, _ in span:
             holds.append((col, ku, range(pts[0], pts[-1] + 1), zq))
             col += 1
@@ -361,6 +416,15 @@ def build(
         and pts.stop <= win[paired[k][0]][0]
         and any(q == paired[k][0] for q, _ in zq)
     ]
+    # With r, a pair's w is counted from q's run on (r[q, t] at point t): its h holds
+    # only at runs, in a column c of the run rows' base, where w counts from r[q, t - 1]
+    shadows: list[tuple[int, int, int, int, np.ndarray, int | None]] = []
+    if before:
+        for hcol, k, q, coef in claims:
+            t = next(sp.start for hc, _, sp, _ in holds if hc == hcol)
+            shadows.append((col, hcol, k, q, coef, run_col(q, t - 1) if t >= 2 else None))
+            col += 1
+        claims = []
     # g[v, t]: the copy of kept v a re-run reader's segment made when it ran, held from
     # that run to v's last use, before v's first residual use (where its copy term
     # starts). Points with the same (reader, z column) pairs share one g.
@@ -395,6 +459,11 @@ def build(
     for hcol, k, _, _ in holds:
         upper[hcol] = float(opts.stored[k].max())
         integer[hcol] = False
+    for ccol, _, k, _, _, _ in shadows:
+        upper[ccol] = float(opts.stored[k].max())
+        integer[ccol] = False
+    for i, c0 in before.items():
+        integer[c0 : c0 + win[i][0] - 1] = False
     for gcol, k, _, _ in early:
         upper[gcol] = float(opts.copied[k].max())
         integer[gcol] = False
@@ -475,6 +544,20 @@ def build(
                 if not inner:
                     break
                 ball |= inner
+    # r: a re-run record adjacent to one whose segment has run by t is in that segment
+    rcols = {c for i, c0 in before.items() for c in range(c0, c0 + win[i][0] - 1)}
+    for a in sorted(adj):
+        for p in sorted(adj[a]):
+            if a not in before and p not in before:
+                continue
+            for t in range(
+                1, max(win[a][0] if a in before else 1, win[p][0] if p in before else 1)
+            ):
+                ca, cp = run_col(a, t), run_col(p, t)
+                if ca is None or cp is None or (ca not in rcols and cp not in rcols):
+                    continue
+                if cp != p:  # R(p, t) >= R(a, t) + x[p] - 1 (R(p, t) = x[p]: nothing to say)
+                    row([cp, ca, p], [1.0, -1.0, -1.0], -1.0, np.inf)
     for hcol, k, _, zq in holds:
         big = float(opts.stored[k].max())
         ys = ycol_of[k]
@@ -487,6 +570,14 @@ def build(
         co = [-float(opts.copied[k, ycols[c - n][1]]) for c in ys]
         for _, zc in zq:
             row([gcol, zc] + ys, [1.0, -big] + co, -big, np.inf)
+    for ccol, hcol, k, q, coef, rc in shadows:  # c >= h; c >= the pair's bytes
+        ys = ycol_of[k]
+        big = float(coef.max())
+        row([ccol, hcol], [1.0, -1.0], 0.0, np.inf)
+        cs, co = [ccol, q] + ys, [1.0, -big] + [-coef[ycols[c - n][1]] for c in ys]
+        if rc is not None:
+            cs, co = cs + [rc], co + [big]
+        row(cs, co, -big, np.inf)
     for hcol, k, q, coef in claims:
         ys = ycol_of[k]
         big = float(coef.max())
@@ -506,6 +597,8 @@ def build(
             mem[first[key] : last[key] + 1, p] += full[k]
             for t in range(win[p][0] if p in win else first[key], first[key]):
                 mem[t, z_col(p, t)] += full[k]  # from its run on
+            for t in range(1, win[p][0]) if p in before else ():
+                mem[t, before[p] + t - 1] += full[k]  # run before its window
     for hcol, _, span_t, _ in holds + early:
         mem[span_t.start : span_t.stop, hcol] += 1.0
 
@@ -526,7 +619,7 @@ def build(
         if key in first and not isinstance(key, tuple):
             p = int(kprod[k])
             for t in range(1, last[key] + 1):
-                zc = z_col(p, t - 1)
+                zc = run_col(p, t - 1)
                 if zc is not None and t >= 2:
                     kterm[k].setdefault(zc, np.zeros(T))[t] += full[k]
     for gcol, k, span_t, _ in early:  # a copy held at t - 1 is held at a run at t
@@ -537,6 +630,8 @@ def build(
         vec = np.zeros(T)
         vec[span_t.start : span_t.stop] = 1.0
         kterm[k][hcol] = vec
+    for ccol, hcol, k, _, _, _ in shadows:  # the run rows see c, the points h
+        kterm[k][ccol] = kterm[k].pop(hcol)
     for k in range(K):
         for zc, vec in kterm[k].items():
             base[:, zc] += vec
@@ -580,7 +675,7 @@ def build(
             runs.append((t, cols, np.array([terms[zc] for zc in cols])))
     return Model(
         n, keys, kprod, opts, ycols, win, holds, claims, order, cost, upper, integer, rows, mem,
-        base, runs, int(budget), early,
+        base, runs, int(budget), early, before, shadows,
     )  # fmt: skip
 
 

@@ -233,6 +233,38 @@ def test_early_copies_held_inputs_and_support_rows_hold_at_executor_plans_and_bi
     assert copies > 0 and early > 0 and broken > 0, (copies, early, broken)
 
 
+@pytest.mark.parametrize("name", ["unet", "dag", "block"])
+def test_early_runs_hold_at_executor_plans_and_bind(name):
+    """The columns ``r`` (a segment's run before a record's window, its residuals
+    counted from then on) and the pairs' ``c`` (`_planner_ilp_joint_model`) on random
+    executor plans, at window 2 (so most records have points before their window):
+    every row holds at the plan's columns and the bytes stay below the executor's at
+    each point and run; some ``r`` are 1 (a residual counted before its window that
+    the model without ``r`` does not count there); and setting every ``r`` to 0, with
+    nothing else changed, breaks a neighbour row."""
+    f, args = small_models()[name]
+    tape = tg.trace(f, argnums=0)(*args)
+    n = len(tape.records)
+    mechs = ("offload", "bf16")
+    model = J.build(tape, [None] * n, 1 << 60, mechs, COSTS, 0, window=2)
+    plain = J.build(tape, [None] * n, 1 << 60, mechs, COSTS, 0, window=2, early_runs=False)
+    assert model.before and not plain.before
+    rcols = [c for i, c0 in model.before.items() for c in range(c0, c0 + model.window[i][0] - 1)]
+    ran = more = broken = 0
+    for planned, tl, opts, choice in _random_plans(tape, [None] * n, mechs, 0, 80, 3):
+        ch = {k: int(c) for k, c in zip(tl.keys, choice)}
+        z = model.at_plan(planned, ch)
+        assert model.check(z)[0]
+        _assert_pointwise_below(model, z, tl, opts, choice)
+        ran += int(np.sum(z[rcols] > 0.5))
+        more += int(np.any(model.peaks(z)[0] > plain.peaks(plain.at_plan(planned, ch))[0] + 0.5))
+        bad = z.copy()
+        bad[rcols] = 0.0
+        for cols, coef, lo, _ in model.rows:
+            broken += len(cols) == 3 and lo == -1.0 and float(np.dot(coef, bad[cols])) < lo - 1e-9
+    assert ran > 0 and more > 0 and broken > 0, (ran, more, broken)
+
+
 def test_the_relaxation_rejects_what_the_executor_cannot_do():
     """The rows are not trivially satisfied: a residual neither kept nor recomputed, or
     a binding save re-run, breaks one; save-all's modelled peak is its exact peak."""
