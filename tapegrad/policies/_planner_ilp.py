@@ -62,11 +62,20 @@ def _highs() -> Any:
 def solve(tl: Any, opts: Any, budget: int, time_limit: float = TIME_LIMIT_S) -> np.ndarray | None:
     """The least-seconds column per key whose peak fits ``budget``; None when the
     program is infeasible or no solution was found within ``time_limit`` seconds."""
+    return solve_proved(tl, opts, budget, time_limit)[0]
+
+
+def solve_proved(
+    tl: Any, opts: Any, budget: int, time_limit: float = TIME_LIMIT_S
+) -> tuple[np.ndarray | None, bool]:
+    """`solve`, and whether HiGHS proved its answer (the optimum, or that nothing fits)
+    rather than stopping at ``time_limit``."""
     import highspy
 
     K = len(tl.keys)
     if K == 0:  # nothing to choose: the plan fits or not
-        return np.zeros(0, np.int64) if tl.points == 0 or tl.fixed.max() <= budget else None
+        fits = tl.points == 0 or tl.fixed.max() <= budget
+        return (np.zeros(0, np.int64) if fits else None), True
     T = tl.points
     cols = [(k, m) for k in range(K) for m in range(opts.valid.shape[1]) if opts.valid[k, m]]
     h = _highs()
@@ -104,13 +113,14 @@ def solve(tl: Any, opts: Any, budget: int, time_limit: float = TIME_LIMIT_S) -> 
     h.run()
     status = h.getModelStatus()
     if status not in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kTimeLimit):
-        return None
+        return None, status == highspy.HighsModelStatus.kInfeasible
+    proved = status == highspy.HighsModelStatus.kOptimal
     info = h.getInfo()
     if info.primal_solution_status != 2:  # no feasible solution found
-        return None
+        return None, False
     x = np.asarray(h.getSolution().col_value)
     choice = np.zeros(K, np.int64)
     for j, (k, m) in enumerate(cols):
         if x[j] > 0.5:
             choice[k] = m
-    return choice
+    return choice, proved

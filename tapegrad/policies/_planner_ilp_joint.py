@@ -149,15 +149,28 @@ def plan_seconds(
     """Predicted seconds of the executor's plan for decisions ``dec`` (``index``: the
     tape's `TapeIndex`) with the exact mechanisms (`_planner_ilp.solve`) and copies
     brought back ``prefetch`` records ahead; None when no assignment fits ``budget``."""
+    return _plan_seconds(index, dec, budget, mechanisms, costs, prefetch)[0]
+
+
+def _plan_seconds(
+    index,
+    dec: Sequence[str],
+    budget: int,
+    mechanisms: tuple[str, ...],
+    costs: CostModel,
+    prefetch: int,
+) -> tuple[float | None, bool]:
+    """`plan_seconds`, and whether HiGHS proved the mechanisms' answer (not stopped at
+    its time limit)."""
     from tapegrad.policies import _planner_ilp
 
     tl = joint.timeline(index.planned(tuple(dec)), prefetch, index._seg_memo)
     opts = joint.options(tl, mechanisms, costs)
-    choice = _planner_ilp.solve(tl, opts, budget, time_limit=10.0)
+    choice, proved = _planner_ilp.solve_proved(tl, opts, budget, time_limit=10.0)
     if choice is None:
-        return None
+        return None, proved
     peak, secs = joint.evaluate(tl, opts, choice)
-    return secs + costs.recompute_s(tl.recompute_flops) if peak <= budget else None
+    return (secs + costs.recompute_s(tl.recompute_flops) if peak <= budget else None), proved
 
 
 @dataclasses.dataclass
@@ -197,8 +210,10 @@ def optimum(
     either ``x`` was cut, and its seconds are ``≥ UB``, or it is feasible in the cut
     model, and they are ``≥ LB_k``. So ``max_k min(UB_k, LB_k)`` is a lower bound at
     every step, and once it reaches ``UB`` (or the cut model is infeasible) ``UB`` is
-    the optimum. ``starts``: plans scored and cut first (a planner's best, say: ``UB``
-    starts there). ``prefetch``: copies brought back that many records ahead (0, at
+    the optimum — provided each cut plan's exact mechanisms were proved (HiGHS did not
+    stop at its time limit on them; else ``proved`` is False and ``lower`` the
+    relaxation's). ``starts``: plans scored and cut first (a planner's best, say:
+    ``UB`` starts there). ``prefetch``: copies brought back that many records ahead (0, at
     first use: the fewest bytes at the same predicted seconds, so the optimum over
     every depth). Stops at ``time_limit`` seconds with what it proved."""
     from tapegrad.policies import _planner_ilp
@@ -225,9 +240,12 @@ def optimum(
     def fix(dec: Sequence[str]) -> tuple[str, ...]:
         return tuple(f if f is not None else d for f, d in zip(fixed, dec))
 
+    unproved = 0  # plans cut whose mechanisms HiGHS did not prove: no proof then
+
     def score_and_cut(dec: tuple[str, ...]) -> None:
-        nonlocal best, ub
-        v = plan_seconds(index, dec, budget, mechanisms, costs, prefetch)
+        nonlocal best, ub, unproved
+        v, sure = _plan_seconds(index, dec, budget, mechanisms, costs, prefetch)
+        unproved += not sure
         if v is not None and (ub is None or v < ub):
             best, ub = dec, v
         rec = np.array([dec[i] == "recompute" for i in free])
@@ -259,7 +277,11 @@ def optimum(
             break
     if ub is not None:
         lower = min(lower, ub)
-    proved = lower == float("inf") or (ub is not None and lower >= ub * (1 - 1e-9))
+    if unproved:  # a cut may have removed a plan faster than its score: the cuts prove nothing
+        lower = min(lower, relaxation or 0.0)
+    proved = not unproved and (
+        lower == float("inf") or (ub is not None and lower >= ub * (1 - 1e-9))
+    )
     return Optimum(best, ub, lower, proved, relaxation, len(cut), time.perf_counter() - t0)
 
 
