@@ -13,8 +13,7 @@ against the joint ILP's lower bound (`_planner_ilp_joint`), in one run:
    nothing fits one record ahead, and a bound at prefetch 1 does not hold for those
    plans), the gap heuristic/bound - 1, the ILP's status and solve time, the
    predicted time of the better plan `Budget` decodes from it (`plan_candidate` at
-   windows 0 and `WINDOW` up to `WIDE_RECORDS` records, `PLAN_WINDOW` above, exact
-   mechanisms) when one fits, and `Budget` as
+   `plan_windows`, exact mechanisms) when one fits, and `Budget` as
    shipped (heuristic plus those candidates) with its gap; in the summary, how many
    budgets the decoded plan beats the heuristic at.
 2. On tapes small enough for brute force (10 free records, every save/recompute plan
@@ -100,7 +99,7 @@ def plan_time(tape, fixed, dec, b):
     ahead), or None if no assignment fits ``b``."""
     return J.plan_seconds(
         TapeIndex(tape), Scorer(tape, fixed, b).with_fixed(dec), b, MECHS, COSTS, 1
-    )
+    )[0]
 
 
 def fmt(s):
@@ -134,7 +133,7 @@ def quality(quick: bool, limit: float) -> None:
             model = J.build(tape, [None] * n, b, MECHS, COSTS, 0)
             sol = J.solve(model, limit)
             d = None
-            for window in (0, J.WINDOW if n <= J.WIDE_RECORDS else J.PLAN_WINDOW):
+            for window in J.plan_windows(n):
                 dec = J.plan_candidate(tape, [None] * n, b, MECHS, COSTS, 1, window=window)
                 dt = plan_time(tape, [None] * n, dec, b) if dec is not None else None
                 if dt is not None and (d is None or dt < d):

@@ -38,6 +38,7 @@ __all__ = [
     "WINDOW",
     "PLAN_WINDOW",
     "WIDE_RECORDS",
+    "plan_windows",
 ]
 
 MAX_RECORDS = 300
@@ -48,6 +49,11 @@ PLAN_WINDOW: int | None = 4  # `plan_candidate`'s run window (a smaller model, s
 # not (a 46-record transformer block at 31%: 5.150 -> 4.341 µs, the optimum); above, it
 # stops short and decodes worse plans than `PLAN_WINDOW`'s (`bench/RESULTS.md`).
 WIDE_RECORDS = 100
+
+
+def plan_windows(records: int) -> tuple[int | None, ...]:
+    """The run windows `Budget` decodes the ILP at on a tape of ``records`` records."""
+    return (0, WINDOW if records <= WIDE_RECORDS else PLAN_WINDOW)
 
 
 @dataclasses.dataclass
@@ -145,23 +151,12 @@ def plan_seconds(
     mechanisms: tuple[str, ...],
     costs: CostModel,
     prefetch: int = 0,
-) -> float | None:
-    """Predicted seconds of the executor's plan for decisions ``dec`` (``index``: the
-    tape's `TapeIndex`) with the exact mechanisms (`_planner_ilp.solve`) and copies
-    brought back ``prefetch`` records ahead; None when no assignment fits ``budget``."""
-    return _plan_seconds(index, dec, budget, mechanisms, costs, prefetch)[0]
-
-
-def _plan_seconds(
-    index,
-    dec: Sequence[str],
-    budget: int,
-    mechanisms: tuple[str, ...],
-    costs: CostModel,
-    prefetch: int,
 ) -> tuple[float | None, bool]:
-    """`plan_seconds`, and whether HiGHS proved the mechanisms' answer (not stopped at
-    its time limit)."""
+    """Predicted seconds of the executor's plan for decisions ``dec`` (``index``: the
+    tape's `TapeIndex`) with the exact mechanisms (`_planner_ilp.solve_proved`) and
+    copies brought back ``prefetch`` records ahead, None when no assignment fits
+    ``budget``; and whether HiGHS proved the mechanisms' answer (did not stop at its
+    time limit)."""
     from tapegrad.policies import _planner_ilp
 
     tl = joint.timeline(index.planned(tuple(dec)), prefetch, index._seg_memo)
@@ -244,7 +239,7 @@ def optimum(
 
     def score_and_cut(dec: tuple[str, ...]) -> None:
         nonlocal best, ub, unproved
-        v, sure = _plan_seconds(index, dec, budget, mechanisms, costs, prefetch)
+        v, sure = plan_seconds(index, dec, budget, mechanisms, costs, prefetch)
         unproved += not sure
         if v is not None and (ub is None or v < ub):
             best, ub = dec, v

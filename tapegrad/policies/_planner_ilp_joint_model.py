@@ -153,7 +153,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -262,6 +262,21 @@ class Model:
             ok = ok and lo - tol <= v <= hi + tol
         points, runs = self.peaks(z)
         return ok, float(self.cost @ z), int(np.round(max(points.max(), runs.max(initial=0))))
+
+
+def _spans(points: range, key: Callable[[int], Any]) -> list[tuple[range, Any]]:
+    """The maximal runs of consecutive ``points`` with one ``key`` (None: the point is
+    skipped), each as its range of points and that key."""
+    out: list[tuple[range, Any]] = []
+    for t in points:
+        k = key(t)
+        if k is None:
+            continue
+        if out and out[-1][1] == k and out[-1][0].stop == t:
+            out[-1] = (range(out[-1][0].start, t + 1), k)
+        else:
+            out.append((range(t, t + 1), k))
+    return out
 
 
 def build(
@@ -373,22 +388,19 @@ def build(
         ku = kidx[uid]
         qs = [q for q in qs if q in win]
         lu = last.get(uid, 0)
-        # (points, their rows, before each reader's window): such points share one h
-        span: list[tuple[list[int], tuple, tuple]] = []
-        for t in range(lu + 1, max([win[q][1] for q in qs], default=0)):
+
+        def held(t: int) -> tuple[tuple, tuple]:
             # before q's window: "q has not run by t" needs "not by its window's start"
             zq = tuple(
                 (q, run_col(q, t) if q in before else z_col(q, max(t, win[q][0])))
                 for q in qs
                 if t < win[q][1]
             )
-            prior = tuple(t < win[q][0] for q in qs)  # a pair's row holds there only
-            if span and span[-1][1] == zq and span[-1][2] == prior:
-                span[-1][0].append(t)
-            else:
-                span.append(([t], zq, prior))
-        for pts, zq, _ in span:
-            holds.append((col, ku, range(pts[0], pts[-1] + 1), zq))
+            return zq, tuple(t < win[q][0] for q in qs)  # a pair's row holds there only
+
+        # points with the same rows, each before the same readers' windows, share one h
+        for pts, (zq, _) in _spans(range(lu + 1, max([win[q][1] for q in qs], default=0)), held):
+            holds.append((col, ku, pts, zq))
             col += 1
     # Before a reader q's window, where its run is not modelled: u still held, or q has
     # run and its residual w is held (w is not counted there otherwise): at least the
@@ -433,17 +445,13 @@ def build(
         ku = kidx[uid]
         if uid not in first or opts.copied[ku].max() <= 0:
             continue
-        espan: list[tuple[list[int], tuple]] = []
-        for t in range(1, max(1, first[uid] - prefetch)):
+
+        def copied(t: int) -> tuple | None:
             zq = tuple((q, c) for q in qs if (c := z_col(q, t)) is not None)
-            if not zq:
-                continue
-            if espan and espan[-1][1] == zq and espan[-1][0][-1] == t - 1:
-                espan[-1][0].append(t)
-            else:
-                espan.append(([t], zq))
-        for pts, zq in espan:
-            early.append((col, ku, range(pts[0], pts[-1] + 1), zq))
+            return zq or None
+
+        for pts, zq in _spans(range(1, max(1, first[uid] - prefetch)), copied):
+            early.append((col, ku, pts, zq))
             col += 1
     b0 = col - 1  # b[t], t = 1..T-1: bytes a segment run at t finds held (base[t])
     ncol = col + T - 1

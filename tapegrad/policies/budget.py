@@ -850,8 +850,7 @@ def _joint_ilp_candidate(
     prefetch = 1 if "offload" in pol.mechanisms else resolve_prefetch(pol, tape)
     mechs = _no_lowbit(pol.mechanisms)
     out: list[tuple[tuple, str]] = []
-    wide = len(tape.records) <= J.WIDE_RECORDS
-    for window in (0, J.WINDOW if wide else J.PLAN_WINDOW):
+    for window in J.plan_windows(len(tape.records)):
         dec = J.plan_candidate(tape, fixed, pol.bytes, mechs, costs, prefetch, window=window)
         if dec is not None and all(dec != d for d, _ in out):
             out.append((dec, "joint ILP"))
