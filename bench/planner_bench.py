@@ -112,7 +112,7 @@ def quality(quick: bool, costs: CostModel = COSTS) -> None:
                 hi = joint.evaluate(tl, opts, np.zeros(len(tl.keys), np.int64))[0]
                 for b in np.linspace(hi, lo, 7).astype(int)[1:]:
                     t0 = time.perf_counter()
-                    ex = _planner_ilp.solve(tl, opts, int(b), time_limit=10.0)
+                    ex = _planner_ilp.solve(tl, opts, int(b), time_limit=10.0, work=None)
                     worst_t = max(worst_t, time.perf_counter() - t0)
                     gr = joint.assign_greedy(tl, opts, int(b))
                     if ex is None or gr is None:

@@ -7,7 +7,11 @@ the schedule, ``fixed[t] + Σ x[k, m]·(stored[k, m]·[t ≤ release_k] +
 copy[k, m]·[unpack_k ≤ t ≤ release_k]) ≤ budget``. Objective: the seconds the
 mechanisms add. `Budget` uses it, when highspy is importable and the tape has at
 most `MAX_RECORDS` records, on each save/recompute plan it completes; the greedy
-result stands when the solver hits its time limit without a better plan.
+result stands when the solver stops at its work limit without a better plan.
+
+Solves stop at a count of work (`WORK`, `stop_after`), not at a wall-clock time, so
+the plan `Budget` returns is the same on a quiet machine and a loaded one;
+`TIME_LIMIT_S` is only a backstop for a machine far slower than expected.
 """
 
 from __future__ import annotations
@@ -16,10 +20,26 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["available", "solve", "MAX_RECORDS", "TIME_LIMIT_S"]
+__all__ = [
+    "available",
+    "solve",
+    "solve_proved",
+    "stop_after",
+    "MAX_RECORDS",
+    "TIME_LIMIT_S",
+    "WORK",
+]
 
 MAX_RECORDS = 300
-TIME_LIMIT_S = 2.0
+# The work one solve may do: HiGHS's rounds (calls of its MIP interrupt callback: after
+# presolve, per root separation round, between batches of nodes) times the model's
+# nonzeros. A round re-solves the LP, ~2-4 ms per 1,000 nonzeros on one x86 core, so
+# this is ~2 s there; small models get more rounds, large ones fewer. Being a count, the
+# point where a solve stops, and so the plan, does not depend on the machine's load.
+WORK = 1_000_000
+# A backstop only: stops a solve the work limit would let run far longer (a much slower
+# machine). Where it binds, the plan depends on the load again.
+TIME_LIMIT_S = 10.0
 
 
 def available() -> bool:
@@ -59,17 +79,44 @@ def _highs() -> Any:
     return h
 
 
-def solve(tl: Any, opts: Any, budget: int, time_limit: float = TIME_LIMIT_S) -> np.ndarray | None:
+class stop_after:
+    """Interrupts ``h``'s next MIP solves once they have done ``work`` (`WORK`'s units:
+    rounds times the nonzeros of the model as it is at each round); ``used`` counts the
+    work done so far. ``work=None``: no limit (a wall-clock one only)."""
+
+    def __init__(self, h: Any, work: float | None) -> None:
+        self.used = 0.0
+        self.work = work
+        self.h = h
+        h.cbMipInterrupt.subscribe(self._round)
+
+    def _round(self, e: Any) -> None:
+        self.used += max(self.h.getNumNz(), 1)
+        if self.work is not None and self.used >= self.work:
+            e.interrupt()
+
+
+STOPPED = ("kTimeLimit", "kInterrupt")  # a solve cut short: its answer is not proved
+
+
+def solve(
+    tl: Any, opts: Any, budget: int, time_limit: float = TIME_LIMIT_S, work: float | None = WORK
+) -> np.ndarray | None:
     """The least-seconds column per key whose peak fits ``budget``; None when the
-    program is infeasible or no solution was found within ``time_limit`` seconds."""
-    return solve_proved(tl, opts, budget, time_limit)[0]
+    program is infeasible or no solution was found within ``work`` (`WORK`) or
+    ``time_limit`` seconds."""
+    return solve_proved(tl, opts, budget, time_limit, work)[0]
 
 
 def solve_proved(
-    tl: Any, opts: Any, budget: int, time_limit: float = TIME_LIMIT_S
+    tl: Any,
+    opts: Any,
+    budget: int,
+    time_limit: float = TIME_LIMIT_S,
+    work: float | None = WORK,
 ) -> tuple[np.ndarray | None, bool]:
     """`solve`, and whether HiGHS proved its answer (the optimum, or that nothing fits)
-    rather than stopping at ``time_limit``."""
+    rather than stopping at its work or time limit."""
     import highspy
 
     K = len(tl.keys)
@@ -110,9 +157,11 @@ def solve_proved(
     for t in np.nonzero(worst > budget)[0]:
         nz = np.nonzero(coef[t])[0]
         h.addRow(-inf, float(budget - tl.fixed[t]), len(nz), nz.astype(np.int32), coef[t, nz])
+    stop_after(h, work)
     h.run()
     status = h.getModelStatus()
-    if status not in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kTimeLimit):
+    stopped = status in [getattr(highspy.HighsModelStatus, s) for s in STOPPED]
+    if status != highspy.HighsModelStatus.kOptimal and not stopped:
         return None, status == highspy.HighsModelStatus.kInfeasible
     proved = status == highspy.HighsModelStatus.kOptimal
     info = h.getInfo()

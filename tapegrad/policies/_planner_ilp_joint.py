@@ -8,7 +8,9 @@ candidate for `Budget` (`plan_candidate`).
 
 The model — a relaxation of the executor's schedule, with time-indexed run variables —
 and the proof that it is one are in `_planner_ilp_joint_model` (`build`, `Model`).
-`solve` reports the bound HiGHS proved even when it stops at its time limit.
+`solve` reports the bound HiGHS proved even when it stops at its work or time limit
+(`_planner_ilp.WORK`: `Budget`'s candidates stop at a count of work, so they do not
+depend on the machine's load; `optimum`, a benchmark's tool, at wall-clock seconds).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from tapegrad._tape import Tape
+from tapegrad.policies import _planner_ilp
 from tapegrad.policies import _planner_joint as joint
 from tapegrad.policies._cost import CostModel
 from tapegrad.policies._planner_ilp_joint_model import WINDOW, Model, build
@@ -35,6 +38,7 @@ __all__ = [
     "plan_seconds",
     "MAX_RECORDS",
     "TIME_LIMIT_S",
+    "WORK",
     "WINDOW",
     "PLAN_WINDOW",
     "WIDE_RECORDS",
@@ -42,7 +46,8 @@ __all__ = [
 ]
 
 MAX_RECORDS = 300
-TIME_LIMIT_S = 2.0
+TIME_LIMIT_S = 2.0  # `optimum`'s default; `plan_candidate` stops at `WORK` (backstop below)
+WORK = _planner_ilp.WORK
 PLAN_WINDOW: int | None = 4  # `plan_candidate`'s run window (a smaller model, solved sooner)
 # `Budget` decodes the bound's window (`WINDOW`) instead up to this many records: solved
 # within the time limit there, sometimes a plan that fits where the smaller window's does
@@ -58,7 +63,8 @@ def plan_windows(records: int) -> tuple[int | None, ...]:
 
 @dataclasses.dataclass
 class Solution:
-    """What HiGHS returned: ``status`` ("optimal", "time limit", "infeasible", ...);
+    """What HiGHS returned: ``status`` ("optimal", "time limit", "work limit",
+    "infeasible", ...);
     ``bound``: seconds no executor plan within the budget beats (None if none proved);
     ``seconds``: the relaxation's objective at ``decisions`` (None without a solution);
     ``decisions``: "save"/"recompute" per record (binding ones applied); ``mechanisms``:
@@ -114,16 +120,18 @@ def _run(h, model: Model, scale: float, time_limit: float, t0: float) -> Solutio
     name = {
         highspy.HighsModelStatus.kOptimal: "optimal",
         highspy.HighsModelStatus.kTimeLimit: "time limit",
+        highspy.HighsModelStatus.kInterrupt: "work limit",  # `_planner_ilp.stop_after`
         highspy.HighsModelStatus.kInfeasible: "infeasible",
     }.get(status, str(status))
+    stopped = name in ("time limit", "work limit")
     bound = None
     if name == "optimal":
         bound = float(info.objective_function_value) * scale
-    elif name == "time limit" and np.isfinite(info.mip_dual_bound):
+    elif stopped and np.isfinite(info.mip_dual_bound):
         bound = float(info.mip_dual_bound) * scale
     elif name == "infeasible":
         bound = float("inf")
-    if name not in ("optimal", "time limit") or info.primal_solution_status != 2:
+    if not (name == "optimal" or stopped) or info.primal_solution_status != 2:
         return Solution(name, bound, None, None, {}, time.perf_counter() - t0)
     z = np.asarray(h.getSolution().col_value)
     dec = tuple("recompute" if z[i] > 0.5 else "save" for i in range(model.n))
@@ -136,11 +144,13 @@ def _run(h, model: Model, scale: float, time_limit: float, t0: float) -> Solutio
     return Solution(name, bound, secs, dec, mech, time.perf_counter() - t0)
 
 
-def solve(model: Model, time_limit: float = TIME_LIMIT_S) -> Solution:
-    """Solve the relaxation; the bound is HiGHS's proved dual bound (the optimum when
-    it finished)."""
+def solve(model: Model, time_limit: float = TIME_LIMIT_S, work: float | None = None) -> Solution:
+    """Solve the relaxation, stopping at ``time_limit`` seconds or ``work``
+    (`_planner_ilp.WORK`'s units; None: no such limit); the bound is HiGHS's proved
+    dual bound (the optimum when it finished)."""
     t0 = time.perf_counter()
     h, scale = _load(model)
+    _planner_ilp.stop_after(h, work)
     return _run(h, model, scale, time_limit, t0)
 
 
@@ -157,11 +167,10 @@ def plan_seconds(
     copies brought back ``prefetch`` records ahead, None when no assignment fits
     ``budget``; and whether HiGHS proved the mechanisms' answer (did not stop at its
     time limit)."""
-    from tapegrad.policies import _planner_ilp
 
     tl = joint.timeline(index.planned(tuple(dec)), prefetch, index._seg_memo)
     opts = joint.options(tl, mechanisms, costs)
-    choice, proved = _planner_ilp.solve_proved(tl, opts, budget, time_limit=10.0)
+    choice, proved = _planner_ilp.solve_proved(tl, opts, budget, time_limit=10.0, work=None)
     if choice is None:
         return None, proved
     peak, secs = joint.evaluate(tl, opts, choice)
@@ -211,7 +220,6 @@ def optimum(
     ``UB`` starts there). ``prefetch``: copies brought back that many records ahead (0, at
     first use: the fewest bytes at the same predicted seconds, so the optimum over
     every depth). Stops at ``time_limit`` seconds with what it proved."""
-    from tapegrad.policies import _planner_ilp
     from tapegrad.policies._planner_fast import TapeIndex
 
     if not _planner_ilp.available():
@@ -287,19 +295,21 @@ def plan_candidate(
     mechanisms: tuple[str, ...],
     costs: CostModel,
     prefetch: int = 0,
-    time_limit: float = TIME_LIMIT_S,
+    work: float | None = WORK,
     tries: int = 3,
     window: int | None = PLAN_WINDOW,
+    time_limit: float = _planner_ilp.TIME_LIMIT_S,
 ) -> tuple[str, ...] | None:
     """The ILP's save/recompute decisions (binding ones applied) for `Budget` to score
     as one more candidate; None when highspy is missing, the tape is too large or
-    outside the model, or no solution was found in ``time_limit`` seconds.
+    outside the model, or no solution was found within ``work``
+    (`_planner_ilp.WORK`'s units: the same plan on a quiet or a loaded machine) or the
+    backstop ``time_limit`` seconds.
 
     The relaxation undercounts bytes, so its plan may not fit under the executor's
     schedule even with every residual at its fewest bytes; then it is solved again at
-    a budget lowered by the overflow (up to ``tries`` solves, sharing the time limit).
-    ``window``: `build`'s (0: no run variables, the smallest model)."""
-    from tapegrad.policies import _planner_ilp
+    a budget lowered by the overflow (up to ``tries`` solves, sharing the work and the
+    time limit). ``window``: `build`'s (0: no run variables, the smallest model)."""
     from tapegrad.policies._planner_fast import TapeIndex
 
     if not _planner_ilp.available() or len(tape.records) > MAX_RECORDS:
@@ -308,13 +318,19 @@ def plan_candidate(
     target = budget
     dec = None
     deadline = time.perf_counter() + time_limit
+    left_work = work
     for _ in range(tries):
         left = deadline - time.perf_counter()
         # without the bound's ``r`` columns: Budget's decoding as measured before them
         model = build(tape, fixed, target, mechanisms, costs, prefetch, window, early_runs=False)
-        if model is None or left <= 0:
+        if model is None or left <= 0 or (left_work is not None and left_work <= 0):
             break
-        sol = solve(model, left)
+        t0 = time.perf_counter()
+        h, scale = _load(model)
+        stop = _planner_ilp.stop_after(h, left_work)
+        sol = _run(h, model, scale, left, t0)
+        if left_work is not None:
+            left_work -= stop.used
         if sol.decisions is None:
             break
         dec = tuple(f if f is not None else d for f, d in zip(fixed, sol.decisions))
