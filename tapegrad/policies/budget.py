@@ -826,7 +826,7 @@ def _no_lowbit(mechanisms: tuple[str, ...]) -> tuple[str, ...]:
 
 def _ilp_solver(tape: Tape) -> Any:
     """`_planner_ilp.solve` when highspy is importable and the tape is small enough to
-    solve within its time limit; else None."""
+    solve within its work limit (`_planner_ilp.WORK`); else None."""
     from tapegrad.policies import _planner_ilp
 
     if not _planner_ilp.available() or len(tape.records) > _planner_ilp.MAX_RECORDS:
@@ -840,10 +840,10 @@ def _joint_ilp_candidate(
     """The save/recompute decisions of `_planner_ilp_joint`'s solutions (scored like the
     other plans) when highspy is importable and the tape is small enough; else none.
     Two models: without run variables (solved in a fraction of a second, so a plan even
-    where the larger one stops at its time limit) and with them (closer to the
+    where the larger one stops at its work limit) and with them (closer to the
     executor's schedule, often a better plan: the bound's window on tapes of at most
-    `_planner_ilp_joint.WIDE_RECORDS` records, which HiGHS solves within the time limit
-    there, `PLAN_WINDOW` above)."""
+    `_planner_ilp_joint.WIDE_RECORDS` records, which HiGHS mostly solves within the work
+    limit there, `PLAN_WINDOW` above)."""
     from tapegrad.policies import _planner_ilp_joint as J
 
     # planned with copies one record ahead, as `Budget._plan_joint` plans first
