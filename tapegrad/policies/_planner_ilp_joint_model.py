@@ -62,7 +62,9 @@ backward order; `_planner_joint.timeline`'s record points):
   Σ Δ[p, t]·(p's residuals)`` over ``q``'s parents ``p`` (those not ``q``'s inputs)
   ``+ Σ bytes_v·(Δ[q, t] + s[a, q] − 1)`` over members' values ``v`` (below), less
   ``bytes_v·(1 − x[r])`` for one made by ``a`` that a later reader ``r > q`` reads
-  (the constants on a column fixed to 1); every point and run row ``≤ budget``;
+  (the constants on a column fixed to 1); and, per point ``t`` where two or more
+  records with residuals may switch, ``base[t] + Σ_i Δ[i, t]·(i's residuals)``; every
+  point and run row ``≤ budget``;
 * ``s[a, q]`` in [0, 1], for re-runnable ``a < q`` within ``MEMBER_DEPTH`` neighbours
   of ``q`` (along re-runnable records) that make a value ``v`` not counted in ``q``'s
   run row otherwise: a residual of ``a``, or a value a later re-runnable reader
@@ -150,6 +152,11 @@ with their mechanisms, ``z[i, t]`` and ``r[i, t]`` = [``i``'s segment has run by
    ``R(a, t − 1) = 0``: ``a`` runs at ``t``; a value of a re-run record is not kept),
    nor ``q``'s inputs or outputs, nor its parents' residuals (left out of the terms).
    Otherwise the term is ``≤ 0``.
+   The row over every record switching at ``t``: at the last run at ``t`` the
+   segments run before it at ``t`` hold their outputs (first used at ``t`` or later:
+   no record's backward has run since), the last one holds all of its own at its last
+   step (`segment_peak` keeps every output to the end), and ``base[t]`` is held as
+   above; with no run at ``t`` it is ``base[t]``, held at ``t − 1``.
 
 So the ILP's optimum ≤ the least predicted time of any executor plan within the
 budget, and ``tests/policies/test_planner_ilp_joint.py`` checks the steps on random
@@ -160,10 +167,11 @@ next to a set of records needed later (the support rows do not ask for a re-run 
 to it; on a 58-record U-Net at 70% the relaxation's optimum runs a 3-record segment 4
 points early, 1 KiB less held at that run than the executor's plan); runs more than
 ``WINDOW`` points before a need are seen only through ``r`` (no run row there, nor at
-a window's first point); two segments running at one point do not see
-each other's values; a run row sees one record's step (its inputs, outputs, its
-parents' residuals, and the values of members within ``MEMBER_DEPTH`` neighbours,
-not the copies of the segment's other kept inputs).
+a window's first point); two segments running at one point see each other's
+residuals only at the last run's end (not at their members' steps); a run row sees
+one record's step (its inputs, outputs, its parents' residuals, and the values of
+members within ``MEMBER_DEPTH`` neighbours, not the copies of the segment's other
+kept inputs).
 `_planner_ilp_joint.solve` reports the bound HiGHS proved even when it stops at its
 time limit.
 """
@@ -758,9 +766,14 @@ def build(
             for p, ws in parents.items():
                 for zc, sign in switch(p, t):
                     terms[zc] = terms.get(zc, 0.0) + sign * sum(device_nbytes(w) for w in ws)
-            # members: bytes·(Δ[q, t] + s[a, q] (+ x[reader]) − 1 (− 1)), ≤ 0 unless q runs
-            # at t with a (and the reader) in its segment
-            for vb, src, reader in held_at.get(q, []):
+            cols = np.array([zc for zc, a in terms.items() if a != 0.0], np.int64)
+            runs.append((t, cols, np.array([terms[zc] for zc in cols])))
+            if q not in held_at:
+                continue
+            # again with the members: bytes·(Δ[q, t] + s[a, q] (+ x[reader]) − 1 (− 1)),
+            # ≤ 0 unless q runs at t with a (and the reader) in its segment (a second
+            # row: the terms < 0 would weaken the first)
+            for vb, src, reader in held_at[q]:
                 for zc, sign in dq:
                     terms[zc] = terms.get(zc, 0.0) + sign * vb
                 terms[pairs[(src, q)]] = terms.get(pairs[(src, q)], 0.0) + vb
@@ -769,6 +782,19 @@ def build(
                 terms[one] = terms.get(one, 0.0) - vb * (1 if reader is None else 2)
             cols = np.array([zc for zc, a in terms.items() if a != 0.0], np.int64)
             runs.append((t, cols, np.array([terms[zc] for zc in cols])))
+    # The last run at t: base[t] and the residuals of every segment run at t (the
+    # earlier ones' held, the last one's at its end)
+    if one >= 0:
+        res = {i: sum(device_nbytes(o) for o in recs[i].outputs if o.id in first) for i in win}
+        for t in range(1, T):
+            terms = {b0 + t: 1.0}
+            movers = [i for i in win if res[i] and switch(i, t)]
+            for i in movers:
+                for zc, sign in switch(i, t):
+                    terms[zc] = terms.get(zc, 0.0) + sign * res[i]
+            if len(movers) > 1:
+                cols = np.array([zc for zc, a in terms.items() if a != 0.0], np.int64)
+                runs.append((t, cols, np.array([terms[zc] for zc in cols])))
     return Model(
         n, keys, kprod, opts, ycols, win, holds, claims, order, cost, upper, integer, rows, mem,
         base, runs, int(budget), early, before, shadows, one,
