@@ -59,8 +59,17 @@ backward order; `_planner_joint.timeline`'s record points):
   (``c[u, t]`` where it has one),
   ``g[v, t − 1]``) less the
   terms of ``q``'s inputs, ``+ Δ[q, t]·(bytes of q's outputs and inputs)`` ``+
-  Σ Δ[p, t]·(p's residuals)`` over ``q``'s parents ``p`` (those not ``q``'s inputs);
-  every point and run row ``≤ budget``.
+  Σ Δ[p, t]·(p's residuals)`` over ``q``'s parents ``p`` (those not ``q``'s inputs)
+  ``+ Σ bytes_v·(Δ[q, t] + s[a, q] − 1)`` over members' values ``v`` (below), less
+  ``bytes_v·(1 − x[r])`` for one made by ``a`` that a later reader ``r > q`` reads
+  (the constants on a column fixed to 1); and, per point ``t`` where two or more
+  records with residuals may switch, ``base[t] + Σ_i Δ[i, t]·(i's residuals)``; every
+  point and run row ``≤ budget``;
+* ``s[a, q]`` in [0, 1], for re-runnable ``a < q`` within ``MEMBER_DEPTH`` neighbours
+  of ``q`` (along re-runnable records) that make a value ``v`` not counted in ``q``'s
+  run row otherwise: a residual of ``a``, or a value a later re-runnable reader
+  ``r > q`` reads. Rows, per simple path ``a = p_0, ..., p_k = q`` of neighbours
+  (``MEMBER_PATHS`` of them at most): ``s[a, q] ≥ Σ_i x[p_i] − k``.
 
 Why every plan the executor runs is feasible here, at the same cost and no more bytes
 (tapes without checkpoint regions or loop records: `build` returns None on others):
@@ -132,6 +141,22 @@ with their mechanisms, ``z[i, t]`` and ``r[i, t]`` = [``i``'s segment has run by
    runs at ``t`` or later: at any run at ``t`` either it has not run yet and ``u``, its
    input, is held, or it has and ``w`` is (``L_w ≥ F_q > t``); ``q`` is in one pair,
    so no other ``c`` claims ``w``, and ``c`` replaces ``h[u, t]`` in ``base``.
+   ``s[a, q]`` is set to [``a`` and ``q`` are in one segment]: a path of re-run
+   neighbours is inside one connected component, so every path row holds. A member
+   term is positive only if ``q``'s segment runs at ``t`` (``Δ[q, t] = 1``) with
+   ``a`` in it (and ``r``, re-run and ``a``'s neighbour, too): the segment re-runs its
+   records in forward order, so ``a < q`` has run by ``q``'s step, and
+   `segment_peak` holds there every segment output made so far (``a``'s residual:
+   a segment output, ``a`` re-run) and every value a later member still reads
+   (``r > q``). Neither is in ``base[t]`` (``a``'s residuals count from
+   ``R(a, t − 1) = 0``: ``a`` runs at ``t``; a value of a re-run record is not kept),
+   nor ``q``'s inputs or outputs, nor its parents' residuals (left out of the terms).
+   Otherwise the term is ``≤ 0``.
+   The row over every record switching at ``t``: at the last run at ``t`` the
+   segments run before it at ``t`` hold their outputs (first used at ``t`` or later:
+   no record's backward has run since), the last one holds all of its own at its last
+   step (`segment_peak` keeps every output to the end), and ``base[t]`` is held as
+   above; with no run at ``t`` it is ``base[t]``, held at ``t − 1``.
 
 So the ILP's optimum ≤ the least predicted time of any executor plan within the
 budget, and ``tests/policies/test_planner_ilp_joint.py`` checks the steps on random
@@ -142,9 +167,11 @@ next to a set of records needed later (the support rows do not ask for a re-run 
 to it; on a 58-record U-Net at 70% the relaxation's optimum runs a 3-record segment 4
 points early, 1 KiB less held at that run than the executor's plan); runs more than
 ``WINDOW`` points before a need are seen only through ``r`` (no run row there, nor at
-a window's first point); two segments running at one point do not see
-each other's values; a run row sees one record's step (its inputs, outputs and its
-parents' residuals, not its grandparents' nor the segment's other intermediates).
+a window's first point); two segments running at one point see each other's
+residuals only at the last run's end (not at their members' steps); a run row sees
+one record's step (its inputs, outputs, its parents' residuals, and the values of
+members within ``MEMBER_DEPTH`` neighbours, not the copies of the segment's other
+kept inputs).
 `_planner_ilp_joint.solve` reports the bound HiGHS proved even when it stops at its
 time limit.
 """
@@ -166,6 +193,8 @@ __all__ = ["Model", "build", "WINDOW"]
 
 WINDOW: int | None = 8  # points before a need where runs are modelled, for the bound
 SUPPORT_LAYERS = 3  # support rows per run column: balls of radius 0..3, then the component
+MEMBER_DEPTH = 3  # run rows count the segment's members up to this many neighbours away
+MEMBER_PATHS = 4  # paths (rows of s) per pair of records
 
 
 @dataclasses.dataclass
@@ -195,6 +224,8 @@ class Model:
     early: list = dataclasses.field(default_factory=list)  # per g: (column, key, points, pairs)
     before: dict = dataclasses.field(default_factory=dict)  # record -> column of r[i, 1]
     shadows: list = dataclasses.field(default_factory=list)  # (c, h, key, q, bytes, r col)
+    one: int = -1  # a column fixed to 1 (the run rows' constants), -1: none
+    pairs: list = dataclasses.field(default_factory=list)  # (s column, a, q): one segment
 
     @property
     def columns(self) -> int:
@@ -245,6 +276,11 @@ class Model:
             ran_before = 0.0 if rc is None else z[rc]
             lift = -1.0 if m is None else coef[m] - coef.max() * (1.0 - z[q] + ran_before)
             z[ccol] = max(z[hcol], lift)
+        if self.one >= 0:
+            z[self.one] = 1.0
+        seg_id = {i: seg.id for seg in tape.segments for i in seg.records}
+        for sc, a, q in self.pairs:
+            z[sc] = float(a in seg_id and seg_id.get(q) == seg_id[a])
         b0 = self.columns - len(self.base) + 1
         z[b0:] = self.base[1:] @ z
         return z
@@ -453,6 +489,56 @@ def build(
         for pts, zq in _spans(range(1, max(1, first[uid] - prefetch)), copied):
             early.append((col, ku, pts, zq))
             col += 1
+    adj: dict[int, set[int]] = {i: set() for i in win}
+    for r in recs:
+        for u in r.inputs:
+            if isinstance(u, Var) and u.id in producer and can_rerun[r.index]:
+                j = producer[u.id]
+                if can_rerun[j] and j != r.index:
+                    adj.setdefault(r.index, set()).add(j)
+                    adj.setdefault(j, set()).add(r.index)
+    # s[a, q]: a lower limit on "a and q are in one segment" (a re-run path between
+    # them), for the run rows' members: values of a held at q's step of the run
+    one = -1
+    pairs: dict[tuple[int, int], int] = {}
+    paths: dict[tuple[int, int], list[list[int]]] = {}
+    held_at: dict[int, list[tuple[int, int, int | None]]] = {}  # q -> (bytes, a, reader)
+    if early_runs:
+        one = col  # fixed to 1: the constants of the run rows' member terms
+        col += 1
+        for q in win:
+            ins_q = {v.id for v in recs[q].inputs if isinstance(v, Var)}
+            seen = ins_q | {o.id for o in recs[q].outputs}
+            for v in ins_q:
+                if producer.get(v) in win:
+                    seen |= {o.id for o in recs[producer[v]].outputs if o.id in first}
+            found: dict[int, list[list[int]]] = {}
+            stack = [[q]]
+            while stack:  # simple paths of up to MEMBER_DEPTH neighbours from q
+                pth = stack.pop()
+                for j in sorted(adj.get(pth[-1], ())):
+                    if j in pth:
+                        continue
+                    if j < q and len(found.setdefault(j, [])) < MEMBER_PATHS:
+                        found[j].append(pth + [j])
+                    if len(pth) < MEMBER_DEPTH:
+                        stack.append(pth + [j])
+            for src in sorted(found):
+                vals: list[tuple[int, int, int | None]] = []
+                for o in recs[src].outputs:
+                    if o.id in seen or o.id not in kidx:
+                        continue
+                    if o.id in first:
+                        vals.append((device_nbytes(o), src, None))
+                        continue
+                    later = [r for r in readers.get(o.id, []) if r > q]
+                    if later:  # read later in the segment: live at q's step
+                        vals.append((device_nbytes(o), src, min(later)))
+                if vals:
+                    pairs[(src, q)] = col
+                    paths[(src, q)] = found[src]
+                    col += 1
+                    held_at.setdefault(q, []).extend(vals)
     b0 = col - 1  # b[t], t = 1..T-1: bytes a segment run at t finds held (base[t])
     ncol = col + T - 1
     cost = np.zeros(ncol)
@@ -477,6 +563,10 @@ def build(
         integer[gcol] = False
     upper[b0 + 1 :] = np.inf
     integer[b0 + 1 :] = False
+    if one >= 0:
+        integer[one] = False
+    for sc in pairs.values():
+        integer[sc] = False
     ycol_of: list[list[int]] = [[] for _ in range(K)]
     for j, (k, _) in enumerate(ycols):
         ycol_of[k].append(n + j)
@@ -519,14 +609,6 @@ def build(
                     row([b, a, i, q], [1.0, -1.0, 1.0, 1.0], -np.inf, 2.0)
     # a record runs before its need only with its segment, through a re-run neighbour
     # that has run by then (a segment runs at its first need: a record alone, at its own)
-    adj: dict[int, set[int]] = {i: set() for i in win}
-    for r in recs:
-        for u in r.inputs:
-            if isinstance(u, Var) and u.id in producer and can_rerun[r.index]:
-                j = producer[u.id]
-                if can_rerun[j] and j != r.index:
-                    adj.setdefault(r.index, set()).add(j)
-                    adj.setdefault(j, set()).add(r.index)
 
     def boundary(ball: set[int]) -> set[int]:
         return {j for a in ball for j in adj.get(a, ()) if need[j] > 0} - ball
@@ -646,6 +728,11 @@ def build(
     for t in range(1, T):
         nz = np.nonzero(base[t])[0]
         row([b0 + t] + nz.tolist(), [1.0] + (-base[t, nz]).tolist(), 0.0, 0.0)
+    if one >= 0:
+        row([one], [1.0], 1.0, 1.0)
+    for aq, sc in pairs.items():  # s[a, q] >= Σ_{j on a path, a..q} x[j] - (|path| - 1)
+        for pth in paths[aq]:
+            row([sc] + pth, [1.0] + [-1.0] * len(pth), 1.0 - len(pth), np.inf)
 
     # One row per (t, q): if q's segment runs at t, at q's step of it: base[t] less q's
     # inputs, plus q's inputs and outputs (full bytes: a kept input is unpacked then) and
@@ -681,9 +768,37 @@ def build(
                     terms[zc] = terms.get(zc, 0.0) + sign * sum(device_nbytes(w) for w in ws)
             cols = np.array([zc for zc, a in terms.items() if a != 0.0], np.int64)
             runs.append((t, cols, np.array([terms[zc] for zc in cols])))
+            if q not in held_at:
+                continue
+            # again with the members: bytes·(Δ[q, t] + s[a, q] (+ x[reader]) − 1 (− 1)),
+            # ≤ 0 unless q runs at t with a (and the reader) in its segment (a second
+            # row: the terms < 0 would weaken the first)
+            for vb, src, reader in held_at[q]:
+                for zc, sign in dq:
+                    terms[zc] = terms.get(zc, 0.0) + sign * vb
+                terms[pairs[(src, q)]] = terms.get(pairs[(src, q)], 0.0) + vb
+                if reader is not None:
+                    terms[reader] = terms.get(reader, 0.0) + vb
+                terms[one] = terms.get(one, 0.0) - vb * (1 if reader is None else 2)
+            cols = np.array([zc for zc, a in terms.items() if a != 0.0], np.int64)
+            runs.append((t, cols, np.array([terms[zc] for zc in cols])))
+    # The last run at t: base[t] and the residuals of every segment run at t (the
+    # earlier ones' held, the last one's at its end)
+    if one >= 0:
+        res = {i: sum(device_nbytes(o) for o in recs[i].outputs if o.id in first) for i in win}
+        for t in range(1, T):
+            terms = {b0 + t: 1.0}
+            movers = [i for i in win if res[i] and switch(i, t)]
+            for i in movers:
+                for zc, sign in switch(i, t):
+                    terms[zc] = terms.get(zc, 0.0) + sign * res[i]
+            if len(movers) > 1:
+                cols = np.array([zc for zc, a in terms.items() if a != 0.0], np.int64)
+                runs.append((t, cols, np.array([terms[zc] for zc in cols])))
     return Model(
         n, keys, kprod, opts, ycols, win, holds, claims, order, cost, upper, integer, rows, mem,
-        base, runs, int(budget), early, before, shadows,
+        base, runs, int(budget), early, before, shadows, one,
+        [(sc, a, q) for (a, q), sc in pairs.items()],
     )  # fmt: skip
 
 

@@ -265,6 +265,33 @@ def test_early_runs_hold_at_executor_plans_and_bind(name):
     assert ran > 0 and more > 0 and broken > 0, (ran, more, broken)
 
 
+@pytest.mark.parametrize("name", ["unet", "dag", "block"])
+def test_segment_members_in_run_rows_hold_at_executor_plans_and_bind(name):
+    """The run rows' member terms (`_planner_ilp_joint_model`: values of earlier members
+    of a segment held at a record's step, ``s[a, q]``) on random executor plans: every
+    row holds at the plan's columns (``s`` = one segment) and the bytes stay below the
+    executor's at each point and run; some run rows count more with them than with
+    every ``s`` at 0; and the plain model (``early_runs=False``) has none."""
+    f, args = small_models()[name]
+    tape = tg.trace(f, argnums=0)(*args)
+    n = len(tape.records)
+    mechs = ("offload", "bf16")
+    model = J.build(tape, [None] * n, 1 << 60, mechs, COSTS, 0)
+    plain = J.build(tape, [None] * n, 1 << 60, mechs, COSTS, 0, early_runs=False)
+    assert model.pairs and model.one >= 0 and not plain.pairs and plain.one < 0
+    scols = [c for c, _, _ in model.pairs]
+    together = more = 0
+    for planned, tl, opts, choice in _random_plans(tape, [None] * n, mechs, 0, 80, 4):
+        z = model.at_plan(planned, {k: int(c) for k, c in zip(tl.keys, choice)})
+        assert model.check(z)[0]
+        _assert_pointwise_below(model, z, tl, opts, choice)
+        together += int(np.sum(z[scols] > 0.5))
+        bare = z.copy()
+        bare[scols] = 0.0
+        more += int(np.sum(model.peaks(z)[1] > model.peaks(bare)[1] + 0.5))
+    assert together > 0 and more > 0, (together, more)
+
+
 def test_the_relaxation_rejects_what_the_executor_cannot_do():
     """The rows are not trivially satisfied: a residual neither kept nor recomputed, or
     a binding save re-run, breaks one; save-all's modelled peak is its exact peak."""
