@@ -635,7 +635,7 @@ class Budget:
                 return ((0, rec_s), rec_s, tl, opts, None)  # not stored: a bound only
             else:
                 choice = ilp(tl, opts, self.bytes)
-                if choice is None:  # HiGHS found none in its time limit
+                if choice is None:  # HiGHS found none within its work limit
                     got = ((1, 0.0), rec_s, tl, opts, None)
                 else:
                     got = (
