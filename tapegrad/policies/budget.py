@@ -361,6 +361,10 @@ class Budget:
         sc = Scorer(tape, fixed, self.bytes)
         hinted = sc.with_fixed("save" if h is None or h.saves else "recompute" for h in hints)
         cands: list[tuple[tuple, str]] = [(hinted, "hints")]
+        # Candidates completed and compared after the searches, not started from: the
+        # descents are sensitive to their starts, and one more start moved them to
+        # worse plans as often as to better ones (`bench/RESULTS.md`, session 13).
+        late: list[tuple[tuple, str]] = []
         floor = None
         scored_plans = 0  # plans simulated by the save/recompute searches, and below
         if "recompute" in self.allow:
@@ -372,7 +376,17 @@ class Budget:
                 sr, best = _save_recompute(tape, fixed, hints, self.bytes)
                 scored_plans += sr.scores
                 if best is None and sr.floor is not None:
-                    sr, best = _save_recompute(tape, fixed, hints, sr.floor)
+                    floor_peak = sr.floor  # (the descent below may lower it)
+                    if REPAIR_FLOPS and sr.n <= JOINT_RECORDS:
+                        # Nothing it scored fits without mechanisms: a descent by flops
+                        # repairing its least-peak plan may find one that does (one
+                        # more candidate; the search goes on at the floor as before).
+                        scored = sr.scores
+                        _descend_flops(sr)
+                        scored_plans += sr.scores - scored
+                        if sr.best is not None:
+                            late.append((sr.best[2], "repaired by flops"))
+                    sr, best = _save_recompute(tape, fixed, hints, floor_peak)
                     scored_plans += sr.scores
                 if best is not None:
                     cands.append((best[2], best[3]))
@@ -387,7 +401,7 @@ class Budget:
         else:
             depths = (resolve_prefetch(self, tape),)
         for prefetch in depths:
-            winner, least = self._complete(tape, sc, cands, fixed, prefetch, costs)
+            winner, least = self._complete(tape, sc, cands, fixed, prefetch, costs, late)
             if least is not None:
                 floor = least if floor is None else min(floor, least)
             if winner is not None:
@@ -439,11 +453,19 @@ class Budget:
         return dec, _to_canonical(tape, mech)
 
     def _complete(
-        self, tape: Tape, sc: Any, cands: list, fixed: list, prefetch: int, costs: Any
+        self,
+        tape: Tape,
+        sc: Any,
+        cands: list,
+        fixed: list,
+        prefetch: int,
+        costs: Any,
+        late: Sequence = (),
     ) -> tuple[Any, int | None]:
         """Complete each save/recompute candidate with per-residual mechanisms (greedy,
         the exact ILP on the most promising): (the fastest plan that fits or None,
-        the least peak any candidate can reach)."""
+        the least peak any candidate can reach). ``late``: candidates completed (and
+        with the exact ILP) after the searches, which neither see nor start from them."""
         from tapegrad.policies import _planner_joint as joint
 
         floor = None
@@ -491,6 +513,22 @@ class Budget:
             scored += self._descend_exact(tape, sc, scored, prefetch, costs, ilp)
         # On a chain: the exact joint program (save/recompute and mechanisms together).
         scored += _chain_joint(tape, sc, fixed, self, costs, scored, prefetch)
+        for dec, family in late:
+            if dec in seen:
+                continue
+            seen.add(dec)
+            tl = joint.timeline(sc.planned(dec), prefetch, sc._memo)
+            rec_s = costs.recompute_s(tl.recompute_flops)
+            opts, choice, total = self._greedy(tl, rec_s, costs)
+            least = joint.least_bytes(tl, opts)
+            floor = least if floor is None else min(floor, least)
+            how = "greedy"
+            exact = ilp(tl, opts, self.bytes) if ilp is not None else None
+            if exact is not None:
+                t = rec_s + joint.evaluate(tl, opts, exact)[1]
+                if total is None or t < total:
+                    total, choice, how = t, exact, "ILP"
+            scored.append([total, rec_s, dec, family, how, tl, opts, choice])
         winner = None
         for total, _, dec, family, how, tl, opts, choice in scored:
             if choice is None:
@@ -858,6 +896,7 @@ JOINT_KICK_WORK = 40_000
 # The exact-mechanism descent (`Budget._descend_exact`, with highspy): record-evaluations,
 # each an exact mechanism program (~2-30 ms on 46-90 records).
 EXACT_WORK = 9_000
+REPAIR_FLOPS = True
 # The hand-written policies' plans it also starts from (a plan two sweeps of single
 # flips cannot reach from the best candidate: dots kept, everything cheap recomputed).
 JOINT_CLASSES = ("save_all_but_cheap", "nothing_saveable")
