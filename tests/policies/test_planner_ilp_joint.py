@@ -666,12 +666,15 @@ def test_kicks_leave_the_descents_local_optimum(monkeypatch):
 def test_exact_descent_reaches_plans_the_greedy_mechanisms_hide(monkeypatch):
     """`Budget._descend_exact`: on the 46-record transformer block at the budget
     `bench/ilp_exact.py` puts at 46% of save()'s peak, the joint descent (plans ranked by
-    their greedy mechanisms) stops at 3.482 predicted µs; `bench/plan_search.py`'s
+    their greedy mechanisms) stopped at 3.482 predicted µs; `bench/plan_search.py`'s
     annealing, every plan scored exactly (`plan_seconds`), found one at 3.067, whose
-    greedy completion (4.296) looks worse than the descent's plan. Single flips from the
-    descent's plan, scored with the exact mechanisms, reach it: `Budget` is at least as
-    fast as the annealing's plan, scored here, and ≥ 10% faster than without the exact
-    descent; its reported time is `plan_seconds` of its decisions."""
+    greedy completion (4.296) looked worse than the descent's plan, and single flips
+    from the descent's plan, scored with the exact mechanisms, reached it. The greedy
+    now counts freed bytes only up to the excess and exchanges pairs of changes
+    (`_planner_joint.assign_greedy`): its completions rank the plans like the exact
+    ones here, and the joint descent alone reaches 3.067. `Budget` is at least as fast
+    as the annealing's plan, scored here, with or without the exact descent, never
+    slower with it; its reported time is `plan_seconds` of its decisions."""
     pytest.importorskip("highspy")
     import sys
 
@@ -696,8 +699,9 @@ def test_exact_descent_reaches_plans_the_greedy_mechanisms_hide(monkeypatch):
     work = B.EXACT_WORK
     _, before = _plan_with(monkeypatch, tape, b, EXACT_WORK=0)
     got, after = _plan_with(monkeypatch, tape, b, EXACT_WORK=work)
+    assert before["time_s"] <= found * (1 + 1e-9), (before["time_s"], found)
     assert after["time_s"] <= found * (1 + 1e-9), (after["time_s"], found)
-    assert after["time_s"] <= 0.9 * before["time_s"], (before["time_s"], after["time_s"])
+    assert after["time_s"] <= before["time_s"] * (1 + 1e-9), (before["time_s"], after["time_s"])
     assert after["peak_bytes"] <= b
     depth = min(int(after["prefetch"]), 1)
     exact, _ = J.plan_seconds(index, tuple(got), b, ("offload", "bf16"), COSTS, depth)

@@ -367,6 +367,65 @@ def test_greedy_is_within_five_percent_of_the_ilp_on_random_dags(seed):
             assert sg <= se * 1.05 + 1e-12, (b, sg, se)
 
 
+def _random_instance(rng, K=7, T=12):
+    """A synthetic timeline: K residuals of 1..64 KiB, held over random intervals, with
+    save / offload / bf16 (/ int8 on some) at seconds proportional to their bytes (the
+    ratios of `COSTS`: offload frees a byte for less time than compression)."""
+    full = (2 ** rng.integers(0, 7, K)) * 1024
+    release = rng.integers(1, T, K)
+    unpack = np.array([rng.integers(1, r + 2) for r in release])
+    fixed = rng.integers(0, 4, T) * 1024
+    tl = joint.Timeline(list(range(K)), [None] * K, full, release, unpack, fixed, 0.0)
+    M = len(joint.COLUMNS)
+    S, C = np.zeros((K, M), np.int64), np.zeros((K, M), np.int64)
+    sec, ok = np.zeros((K, M)), np.zeros((K, M), bool)
+    S[:, 0], ok[:, 0] = full, True
+    S[:, 1], C[:, 1], sec[:, 1], ok[:, 1] = 0, full, full * 4e-10, True
+    S[:, 2], C[:, 2], sec[:, 2], ok[:, 2] = full // 2, full, full * 5e-10, True
+    S[:, 3], C[:, 3], sec[:, 3], ok[:, 3] = full // 4, full, full * 6e-10, rng.random(K) < 0.5
+    return tl, joint.Options(S, C, sec, ok)
+
+
+def _every_choice(tl, opts):
+    """(peak, seconds) of every assignment (brute force)."""
+    K = len(tl.keys)
+    combos = np.array(list(itertools.product(*[np.nonzero(opts.valid[k])[0] for k in range(K)])))
+    t = np.arange(tl.points)
+    held = (t <= tl.release[:, None])[:, None, :]
+    copy = ((t >= tl.unpack[:, None]) & (t <= tl.release[:, None]))[:, None, :]
+    per = opts.stored[:, :, None] * held + opts.copied[:, :, None] * copy  # (K, M, T)
+    live = tl.fixed + per[np.arange(K), combos].sum(axis=1)
+    return live.max(axis=1), opts.seconds[np.arange(K), combos].sum(axis=1)
+
+
+def test_greedy_is_near_brute_force_where_little_must_move():
+    """Budgets a little under a plan's peak: bytes per second ties between residuals of
+    one mechanism, and the greedy took the largest (offloading a 64 KiB residual where
+    1 KiB over the budget needed moving: up to 64x the optimum, 3.1x on average here).
+    It counts freed bytes only up to the excess now, and exchanges pairs of changes
+    after: within 2% of brute force on average, 35% at worst. And it fits whenever
+    `least_bytes` does."""
+    rng = np.random.default_rng(0)
+    ratios = []
+    for _ in range(40):
+        tl, opts = _random_instance(rng)
+        peaks, secs = _every_choice(tl, opts)
+        floor = joint.least_bytes(tl, opts)
+        budgets = np.unique(peaks)
+        for b in budgets[:: max(1, len(budgets) // 10)].tolist() + [floor]:
+            got = joint.assign_greedy(tl, opts, int(b))
+            if b < floor:
+                continue  # None allowed (only there)
+            assert got is not None, b
+            peak, s = joint.evaluate(tl, opts, got)
+            assert peak <= b
+            best = secs[peaks <= b].min()
+            ratios.append(s / best if best > 0 else (1.0 if s <= 0 else np.inf))
+    ratios = np.array(ratios)
+    assert len(ratios) > 300
+    assert ratios.mean() <= 1.02 and ratios.max() <= 1.35, (ratios.mean(), ratios.max())
+
+
 def test_greedy_alone_fits_whenever_a_plan_can(monkeypatch):
     """Without highspy (as in CI) the greedy completion is all there is: under costs where
     its steps trade bytes at one point for bytes at another, it stalled and the budget
