@@ -639,11 +639,13 @@ class Budget:
         each plan completed with the exact mechanisms (``ilp``, `_planner_ilp.solve`)
         instead of the greedy ones, for `EXACT_WORK` record-evaluations; where
         `_descend` runs. `_descend` ranks plans by their greedy completion, which can
-        be far from the exact one (40% above it on a 69-record DAG's plan): it cannot
-        see plans whose mechanisms only the exact program packs well; single flips
-        from its winner scored exactly reach them (`bench/plan_search.py`: 3.482 ->
-        3.067 µs on a 46-record transformer block at 46% of save()'s peak). Returns
-        the plan when it beats the fastest, scored like the others."""
+        be above the exact one (up to 1.29x on the bench's timelines, 64x before
+        `assign_greedy`'s capped score and exchanges): it cannot see plans whose
+        mechanisms only the exact program packs well; single flips from its winner
+        scored exactly reach them (with the old greedy, 3.482 -> 3.067 µs on a
+        46-record transformer block at 46% of save()'s peak; with the new one, DAG 69 at
+        37% 4.091 µs either way). Returns the plan when it beats the fastest, scored
+        like the others."""
         from tapegrad.policies import _planner_chain_joint as chain_joint
         from tapegrad.policies import _planner_joint as joint
         from tapegrad.policies import _planner_search as search
