@@ -472,16 +472,30 @@ class Budget:
         ilp = _ilp_solver(tape)
         scored: list[list[Any]] = []
         seen: set[tuple] = set()
-        for dec, family in cands:
-            if dec in seen:
-                continue
-            seen.add(dec)
+
+        def completed(dec: tuple, family: str) -> list[Any]:
+            """``dec`` completed with the greedy mechanisms, as a row of ``scored``."""
+            nonlocal floor
             tl = joint.timeline(sc.planned(dec), prefetch, sc._memo)
             rec_s = costs.recompute_s(tl.recompute_flops)
             opts, choice, total = self._greedy(tl, rec_s, costs)
             least = joint.least_bytes(tl, opts)
             floor = least if floor is None else min(floor, least)
-            scored.append([total, rec_s, dec, family, "greedy", tl, opts, choice])
+            return [total, rec_s, dec, family, "greedy", tl, opts, choice]
+
+        def exactly(c: list[Any]) -> None:
+            """Row ``c`` with the exact mechanisms (``ilp``) where they are faster."""
+            _, rec_s, _, _, _, tl, opts, _ = c
+            exact = ilp(tl, opts, self.bytes)
+            if exact is not None:
+                t = rec_s + joint.evaluate(tl, opts, exact)[1]
+                if c[0] is None or t < c[0]:
+                    c[0], c[4], c[7] = t, "ILP", exact
+
+        for dec, family in cands:
+            if dec not in seen:
+                seen.add(dec)
+                scored.append(completed(dec, family))
         searched = len(scored)
         scored += self._descend(tape, sc, scored, prefetch, costs)
         if ilp is not None:
@@ -503,32 +517,17 @@ class Budget:
             mine = [c for c in order[2:] if c[3] == "joint ILP"]
             extra += [c for c in mine if all(c is not e for e in extra)]
             for c in order[:2] + extra:
-                _, rec_s, _, _, _, tl, opts, choice = c
-                exact = ilp(tl, opts, self.bytes)
-                if exact is None:
-                    continue
-                t = rec_s + joint.evaluate(tl, opts, exact)[1]
-                if c[0] is None or t < c[0]:
-                    c[0], c[4], c[7] = t, "ILP", exact
+                exactly(c)
             scored += self._descend_exact(tape, sc, scored, prefetch, costs, ilp)
         # On a chain: the exact joint program (save/recompute and mechanisms together).
         scored += _chain_joint(tape, sc, fixed, self, costs, scored, prefetch)
         for dec, family in late:
-            if dec in seen:
-                continue
-            seen.add(dec)
-            tl = joint.timeline(sc.planned(dec), prefetch, sc._memo)
-            rec_s = costs.recompute_s(tl.recompute_flops)
-            opts, choice, total = self._greedy(tl, rec_s, costs)
-            least = joint.least_bytes(tl, opts)
-            floor = least if floor is None else min(floor, least)
-            how = "greedy"
-            exact = ilp(tl, opts, self.bytes) if ilp is not None else None
-            if exact is not None:
-                t = rec_s + joint.evaluate(tl, opts, exact)[1]
-                if total is None or t < total:
-                    total, choice, how = t, exact, "ILP"
-            scored.append([total, rec_s, dec, family, how, tl, opts, choice])
+            if dec not in seen:
+                seen.add(dec)
+                c = completed(dec, family)
+                if ilp is not None:
+                    exactly(c)
+                scored.append(c)
         winner = None
         for total, _, dec, family, how, tl, opts, choice in scored:
             if choice is None:

@@ -663,6 +663,24 @@ def test_kicks_leave_the_descents_local_optimum(monkeypatch):
     assert planned(work)[0] == dec
 
 
+def _ilp_exact_budget(monkeypatch, tape, k: int, percent: int) -> int:
+    """`bench/ilp_exact.py`'s ``k``-th budget (of five, from 90% of save()'s peak down to
+    the heuristic's least peak), ``percent`` of save()'s peak, checked."""
+    import sys
+
+    B = sys.modules["tapegrad.policies.budget"]  # the package exports the function
+    n = len(tape.records)
+    full = estimate(tape)[0]
+    with monkeypatch.context() as m:
+        m.setattr(B, "_joint_ilp_candidate", lambda *a: [])  # the heuristic's floor
+        with pytest.raises(BudgetError, match="tried is") as e:
+            Budget(0, allow=ALL, max_error="bf16", costs=COSTS).plan(tape, [None] * n)
+    floor = int(str(e.value).split("tried is ")[1].split(" bytes")[0].replace(",", ""))
+    b = int(np.unique(np.linspace(int(full * 0.9), floor, 5).astype(int))[::-1][k])
+    assert round(100 * b / full) == percent
+    return b
+
+
 def test_exact_descent_reaches_plans_the_greedy_mechanisms_hide(monkeypatch):
     """`Budget._descend_exact`: on the 46-record transformer block at the budget
     `bench/ilp_exact.py` puts at 46% of save()'s peak, the joint descent (plans ranked by
@@ -683,14 +701,7 @@ def test_exact_descent_reaches_plans_the_greedy_mechanisms_hide(monkeypatch):
     B = sys.modules["tapegrad.policies.budget"]  # the package exports the function
     tape = tg.trace(block, argnums=0)(*block_args(1))
     n = len(tape.records)
-    full = estimate(tape)[0]
-    with monkeypatch.context() as m:  # ilp_exact's budgets: 90% of save()'s down to the
-        m.setattr(B, "_joint_ilp_candidate", lambda *a: [])  # heuristic's least peak
-        with pytest.raises(BudgetError, match="tried is") as e:
-            Budget(0, allow=ALL, max_error="bf16", costs=COSTS).plan(tape, [None] * n)
-    floor = int(str(e.value).split("tried is ")[1].split(" bytes")[0].replace(",", ""))
-    b = int(np.unique(np.linspace(int(full * 0.9), floor, 5).astype(int))[::-1][3])
-    assert round(100 * b / full) == 46
+    b = _ilp_exact_budget(monkeypatch, tape, 3, 46)
     annealed = [1, 3, 4, 7, 10, 11, 12, 15, 16, 17, 18, 19, 20, 24, 26, 27, 28, 29, 35, 39, 45]
     dec = tuple("recompute" if i in annealed else "save" for i in range(n))
     index = TapeIndex(tape)
@@ -724,14 +735,7 @@ def test_a_flops_descent_repairs_what_the_save_recompute_search_cannot_fit(monke
     B = sys.modules["tapegrad.policies.budget"]  # the package exports the function
     tape = tg.trace(block, argnums=0)(*block_args(1))
     n = len(tape.records)
-    full = estimate(tape)[0]
-    with monkeypatch.context() as m:  # ilp_exact's budgets: 90% of save()'s down to the
-        m.setattr(B, "_joint_ilp_candidate", lambda *a: [])  # heuristic's least peak
-        with pytest.raises(BudgetError, match="tried is") as e:
-            Budget(0, allow=ALL, max_error="bf16", costs=COSTS).plan(tape, [None] * n)
-    floor = int(str(e.value).split("tried is ")[1].split(" bytes")[0].replace(",", ""))
-    b = int(np.unique(np.linspace(int(full * 0.9), floor, 5).astype(int))[::-1][2])
-    assert round(100 * b / full) == 61
+    b = _ilp_exact_budget(monkeypatch, tape, 2, 61)
     recomputed = (3, 10, 11, 12, 13, 24, 26, 39)
     dec = tuple("recompute" if i in recomputed else "save" for i in range(n))
     peak, flops = Scorer(tape, [None] * n, b).score(dec)
