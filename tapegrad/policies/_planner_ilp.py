@@ -96,9 +96,6 @@ class stop_after:
             e.interrupt()
 
 
-STOPPED = ("kTimeLimit", "kInterrupt")  # a solve cut short: its answer is not proved
-
-
 def solve(
     tl: Any, opts: Any, budget: int, time_limit: float = TIME_LIMIT_S, work: float | None = WORK
 ) -> np.ndarray | None:
@@ -160,7 +157,8 @@ def solve_proved(
     stop_after(h, work)
     h.run()
     status = h.getModelStatus()
-    stopped = status in [getattr(highspy.HighsModelStatus, s) for s in STOPPED]
+    # cut short (at the time limit, or by `stop_after`): its answer is not proved
+    stopped = status in (highspy.HighsModelStatus.kTimeLimit, highspy.HighsModelStatus.kInterrupt)
     if status != highspy.HighsModelStatus.kOptimal and not stopped:
         return None, status == highspy.HighsModelStatus.kInfeasible
     proved = status == highspy.HighsModelStatus.kOptimal

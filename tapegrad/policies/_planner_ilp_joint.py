@@ -68,7 +68,8 @@ class Solution:
     ``bound``: seconds no executor plan within the budget beats (None if none proved);
     ``seconds``: the relaxation's objective at ``decisions`` (None without a solution);
     ``decisions``: "save"/"recompute" per record (binding ones applied); ``mechanisms``:
-    residual key -> mechanism name of the kept values; ``solve_s``: wall seconds."""
+    residual key -> mechanism name of the kept values; ``solve_s``: wall seconds;
+    ``work``: the work `solve` counted (`_planner_ilp.stop_after`'s units)."""
 
     status: str
     bound: float | None
@@ -76,6 +77,7 @@ class Solution:
     decisions: tuple[str, ...] | None
     mechanisms: dict
     solve_s: float
+    work: float = 0.0
 
 
 def _load(model: Model):
@@ -150,8 +152,10 @@ def solve(model: Model, time_limit: float = TIME_LIMIT_S, work: float | None = N
     dual bound (the optimum when it finished)."""
     t0 = time.perf_counter()
     h, scale = _load(model)
-    _planner_ilp.stop_after(h, work)
-    return _run(h, model, scale, time_limit, t0)
+    stop = _planner_ilp.stop_after(h, work)
+    sol = _run(h, model, scale, time_limit, t0)
+    sol.work = stop.used
+    return sol
 
 
 def plan_seconds(
@@ -325,12 +329,9 @@ def plan_candidate(
         model = build(tape, fixed, target, mechanisms, costs, prefetch, window, early_runs=False)
         if model is None or left <= 0 or (left_work is not None and left_work <= 0):
             break
-        t0 = time.perf_counter()
-        h, scale = _load(model)
-        stop = _planner_ilp.stop_after(h, left_work)
-        sol = _run(h, model, scale, left, t0)
+        sol = solve(model, left, left_work)
         if left_work is not None:
-            left_work -= stop.used
+            left_work -= sol.work
         if sol.decisions is None:
             break
         dec = tuple(f if f is not None else d for f, d in zip(fixed, sol.decisions))

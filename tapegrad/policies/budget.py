@@ -381,9 +381,9 @@ class Budget:
                         # Nothing it scored fits without mechanisms: a descent by flops
                         # repairing its least-peak plan may find one that does (one
                         # more candidate; the search goes on at the floor as before).
-                        scored = sr.scores
+                        searched = sr.scores
                         _descend_flops(sr)
-                        scored_plans += sr.scores - scored
+                        scored_plans += sr.scores - searched
                         if sr.best is not None:
                             late.append((sr.best[2], "repaired by flops"))
                     sr, best = _save_recompute(tape, fixed, hints, floor_peak)
