@@ -46,6 +46,7 @@ __all__ = [
     "refine",
     "descend_joint",
     "iterate_joint",
+    "oscillate",
 ]
 
 # Cheap ops: recomputing them costs little next to what storing their outputs costs.
@@ -602,6 +603,50 @@ def iterate_joint(
         spent += e
         found.append((k, cur, best))
     return found, spent
+
+
+# Strategic oscillation (`oscillate`): the penalty rates tried, as multiples of the
+# caller's rate (the start's cost per byte it keeps off the device).
+OSCILLATE = (0.5, 1.0, 2.0, 4.0)
+
+
+def oscillate(
+    sc: Scorer,
+    start: Sequence[str],
+    cost: Callable[[tuple[str, ...], tuple[int, float] | None], tuple[int, float]],
+    penalized: Callable[[tuple[str, ...], float], float],
+    rate: float,
+    max_evals: int,
+) -> tuple[tuple[str, ...], tuple[int, float], int]:
+    """Descents that cross plans over the budget: for each penalty rate (`OSCILLATE`
+    times ``rate``), a descent from ``start`` scored by ``penalized(decisions, rate)``
+    (the plan's cost plus the rate per byte over the budget), then a descent scored by
+    ``cost`` (as in `descend_joint`) that repairs and polishes it, sharing
+    ``max_evals``: (the best decisions, their cost, evaluations spent).
+
+    Why: ``cost`` ranks every plan over the budget below every plan that fits, so a
+    descent never crosses them, yet trading one group of kept records for another
+    needs a step over the budget first (a U-Net at 70% of save()'s peak: keep a level's
+    activations and recompute the level above and the pools, 35,840 flops, where the
+    descents stopped at 67,072). Deterministic."""
+    cur = sc.with_fixed(start)
+    best = cost(cur, None)
+    spent = 0
+    for n, k in enumerate(OSCILLATE):
+        if spent >= max_evals - 1:
+            break
+        share = (max_evals - spent) // (2 * (len(OSCILLATE) - n))
+
+        def soft(d: tuple[str, ...], _beat: Any, lam: float = k * rate) -> tuple[int, float]:
+            return (0, penalized(d, lam))
+
+        d1, _, e1 = descend_joint(sc, cur, soft, share)
+        spent += e1
+        d2, t2, e2 = descend_joint(sc, d1, cost, max(share, (max_evals - spent) // 2))
+        spent += e2
+        if _better(t2, best):
+            cur, best = d2, t2
+    return cur, best, spent
 
 
 def structure_key(tape: Tape, fixed: Sequence[Any]) -> tuple:

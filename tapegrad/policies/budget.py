@@ -391,6 +391,14 @@ class Budget:
                 if best is not None:
                     cands.append((best[2], best[3]))
                     cands += [(d, "relaxed") for d in _relaxed(sr, best[1], save_peak)]
+                    if REPAIR_FLOPS and sr.n <= JOINT_RECORDS:
+                        # The flops descent's plan (it crosses plans over the budget,
+                        # which the searches by step time do not): a late candidate.
+                        searched = sr.scores
+                        _descend_flops(sr)
+                        scored_plans += sr.scores - searched
+                        if sr.best is not None and sr.best[2] != best[2]:
+                            late.append((sr.best[2], "flops descent"))
                 cands += _joint_ilp_candidate(tape, fixed, self, costs)
         # Plan with copies brought back one record ahead (at first use where nothing fits
         # so), then bring them back as early as the cost model asks (`_cost.prefetch_depth`)
@@ -870,9 +878,11 @@ def _descend_flops(sc: Any) -> None:
     seen, which they repair) and from the hand-written plans of `JOINT_CLASSES`,
     sharing `JOINT_WORK` record-evaluations, then kicks for `JOINT_KICK_WORK` more
     (at spread positions: never worse, up to 25% fewer flops on 8 of 24 DAG cells tried,
-    ~0.1 s more). The searches above move one record at a time along one path each;
-    on DAGs they stop far from plans this finds (or find none that fit where one
-    does). Every plan it scores updates ``sc.best``."""
+    ~0.1 s more), then descents that cross plans over the budget at a penalty per byte
+    (`_planner_search.oscillate`, `OSCILLATE_WORK`; the penalty's scale is the best
+    plan's flops per byte it keeps off the device). The searches above move one
+    record at a time along one path each; on DAGs they stop far from plans this finds
+    (or find none that fit where one does). Every plan it scores updates ``sc.best``."""
     from tapegrad.policies import _planner_search as search
 
     def cost(dec: tuple, beat: Any) -> tuple[int, float]:
@@ -885,6 +895,14 @@ def _descend_flops(sc: Any) -> None:
     search.iterate_joint(
         sc, [s for s in starts if s is not None], cost, JOINT_WORK // n, JOINT_KICK_WORK // n
     )
+    if OSCILLATE_WORK > 0 and sc.best is not None:
+
+        def penalized(d: tuple, lam: float) -> float:
+            peak, flops = sc.score(d, "descent")
+            return flops + lam * max(peak - sc.budget, 0)
+
+        rate = sc.best[0] / max(sc.score(sc.with_fixed(["save"] * sc.n))[0] - sc.budget, 1)
+        search.oscillate(sc, sc.best[2], cost, penalized, rate, OSCILLATE_WORK // n)
 
 
 # The joint descent (`Budget._descend`): record-evaluations it may spend (one
@@ -897,6 +915,9 @@ JOINT_KICK_WORK = 40_000
 # The exact-mechanism descent (`Budget._descend_exact`, with highspy): record-evaluations,
 # each an exact mechanism program (~2-30 ms on 46-90 records).
 EXACT_WORK = 9_000
+# The flops descent's oscillation (`_descend_flops`): record-simulations, ~6 µs each
+# (a plan of 58 records descends in ~200 simulations per penalty).
+OSCILLATE_WORK = 200_000
 REPAIR_FLOPS = True
 # The hand-written policies' plans it also starts from (a plan two sweeps of single
 # flips cannot reach from the best candidate: dots kept, everything cheap recomputed).
