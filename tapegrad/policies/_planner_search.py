@@ -35,6 +35,7 @@ from typing import Any
 
 from tapegrad._tape import Record, Tape, Var
 from tapegrad.policies._planner_fast import TapeIndex
+from tapegrad.policies._planner_joint import Timeline
 
 __all__ = [
     "Scorer",
@@ -187,6 +188,11 @@ class Scorer:
         # The schedule (segments, `estimate`) reads decisions from ``dec`` and the
         # segments, never from Record.decision: no need to copy every record.
         return self.index.planned(dec)
+
+    def timeline(self, dec: Sequence[str], prefetch: int = 0) -> Timeline:
+        """`_planner_joint.timeline` of the tape planned with ``dec`` (binding decisions
+        applied by the caller), over the index: the joint search's hot path."""
+        return self.index.timeline(self.index.segments(dec), prefetch)
 
     def simulate(self, dec: Sequence[str], trace: dict | None = None):
         """`budget.simulate` of the tape planned with ``dec`` (binding decisions applied

@@ -313,7 +313,7 @@ class Budget:
                 )
             flops, peak, chosen, family = best
             kept = sc.index.residual_keys(sc.index.segments(chosen))[0]
-            tl = joint.timeline(sc.planned(chosen), resolve_prefetch(self, tape), sc._memo)
+            tl = sc.timeline(chosen, resolve_prefetch(self, tape))
             self.last = {
                 "peak_bytes": peak,
                 "recompute_flops": flops,
@@ -409,7 +409,7 @@ class Budget:
         if winner is not None and "offload" in self.mechanisms and prefetch == 1:
             (total, _), dec, family, how, _, opts, choice = winner
             for k in range(prefetch_depth(tape, costs), 1, -1):
-                tl = joint.timeline(sc.planned(dec), k, sc._memo)
+                tl = sc.timeline(dec, k)
                 peak = joint.evaluate(tl, opts, choice)[0]
                 if peak <= self.bytes:
                     winner, prefetch = ((total, peak), dec, family, how, tl, opts, choice), k
@@ -476,7 +476,7 @@ class Budget:
         def completed(dec: tuple, family: str) -> list[Any]:
             """``dec`` completed with the greedy mechanisms, as a row of ``scored``."""
             nonlocal floor
-            tl = joint.timeline(sc.planned(dec), prefetch, sc._memo)
+            tl = sc.timeline(dec, prefetch)
             rec_s = costs.recompute_s(tl.recompute_flops)
             opts, choice, total = self._greedy(tl, rec_s, costs)
             least = joint.least_bytes(tl, opts)
@@ -576,7 +576,7 @@ class Budget:
         def complete(dec: tuple, beat: tuple[int, float] | None = None) -> Any:
             got = memo.get(dec)
             if got is None:
-                tl = joint.timeline(sc.planned(dec), prefetch, sc._memo)
+                tl = sc.timeline(dec, prefetch)
                 rec_s = costs.recompute_s(tl.recompute_flops)
                 if beat is not None and beat[0] == 0 and rec_s >= beat[1]:
                     return ((0, rec_s),)  # recompute alone costs more: no mechanisms
@@ -664,7 +664,7 @@ class Budget:
             got = memo.get(dec)
             if got is not None:
                 return got
-            tl = joint.timeline(sc.planned(dec), prefetch, sc._memo)
+            tl = sc.timeline(dec, prefetch)
             rec_s = costs.recompute_s(tl.recompute_flops)
             opts = joint.options(tl, self.mechanisms, costs)
             over = joint.least_bytes(tl, opts) - self.bytes
