@@ -114,9 +114,11 @@ class TapeIndex:
         self.out_bytes = {o.id: o.nbytes for r in recs for o in r.outputs}
         self.flops = [record_flops(r) for r in recs]
         self._seg_memo: dict[tuple, tuple[float, int]] = {}
+        self._prune_memo: dict[tuple, tuple[tuple[int, ...], tuple[Var, ...]]] = {}
         self._poles: frozenset | None = None  # `pole_keys(tape)`, on the first timeline
         self._dev: dict[Any, int] = {}  # key -> `device_nbytes` of its Var / Saved
         self._bwd_labels = [f"bwd {i}" for i in range(n)]
+        self._tl_memo: dict[tuple, Timeline] = {}  # (prefetch, segments) -> its timeline
 
     # -- build_segments -------------------------------------------------------------
 
@@ -212,6 +214,17 @@ class TapeIndex:
         return r.outputs[self.out_ids[r.index].index(vid)]
 
     def _prune(self, seg: Segment) -> Segment:
+        # What pruning keeps depends on the records and outputs only, and plans of one
+        # tape share most segments: memoised like `segment_cost`.
+        mkey = (seg.records, tuple(o.id for o in seg.outputs))
+        got = self._prune_memo.get(mkey)
+        if got is None:
+            got = self._prune_memo[mkey] = self._pruned(seg)
+        idxs, inputs = got
+        return Segment(seg.id, idxs, inputs, seg.outputs, seg.prevent_cse)
+
+    def _pruned(self, seg: Segment) -> tuple[tuple[int, ...], tuple[Var, ...]]:
+        """The records `_checkpoint._prune` keeps of ``seg``, and their inputs."""
         members = set(seg.records)
         keep: set[int] = set()
         stack = [self.producer[o.id] for o in seg.outputs]
@@ -230,7 +243,7 @@ class TapeIndex:
             for vid, u, p in self.in_vars[i]:
                 if p not in keep:
                     inputs.setdefault(vid, u)
-        return Segment(seg.id, idxs, tuple(inputs.values()), seg.outputs, seg.prevent_cse)
+        return idxs, tuple(inputs.values())
 
     def planned(self, dec: Sequence[str]) -> Tape:
         """The tape with ``dec``'s segments (decisions are read from the segments)."""
@@ -348,7 +361,24 @@ class TapeIndex:
         """`_planner_joint.timeline` of the tape planned with ``segs`` (same `Timeline`,
         field by field). The joint search builds one per plan it completes, thousands
         per planning call: here keys, backward order, use counts, pole keys and device
-        bytes come from the index instead of being re-derived from the tape."""
+        bytes come from the index instead of being re-derived from the tape. Plans whose
+        decisions differ only where they build the same segments (recomputing a value
+        nothing reads, say) share one timeline: about half of a joint descent's plans
+        (615 distinct timelines of 1,352 on the bench's 58-record U-Net). The `Timeline`
+        returned is shared, so callers must not modify it (none does)."""
+        mkey = (
+            prefetch,
+            tuple(
+                (g.records, tuple(v.id for v in g.inputs), tuple(o.id for o in g.outputs))
+                for g in segs
+            ),
+        )
+        got = self._tl_memo.get(mkey)
+        if got is None:
+            got = self._tl_memo[mkey] = self._timeline(segs, prefetch)
+        return got
+
+    def _timeline(self, segs: Sequence[Segment], prefetch: int) -> Timeline:
         kept, seg_of = self.residual_keys(segs)
         free = self.free
         keys = [k for k in kept if not (isinstance(k, int) and k in free)]
