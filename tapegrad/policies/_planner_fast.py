@@ -180,14 +180,13 @@ class TapeIndex:
         has_aux = [any(self.derives[i] for i in idxs) for idxs in groups_l]
         out_ids = self.out_ids
         empty: set[int] = set()
+        # each group's wanted outputs, in order, once (`active_segments` asks each round)
+        wanted_out = [
+            [o for i in idxs for o in out_ids[i] if o in wanted.get(i, empty)] for idxs in groups_l
+        ]
 
         def outputs(g: int, stored: set[int]) -> list[int]:
-            return [
-                o
-                for i in groups_l[g]
-                for o in out_ids[i]
-                if o in wanted.get(i, empty) and o not in stored
-            ]
+            return [o for o in wanted_out[g] if o not in stored]
 
         active, stored = active_segments(inputs_of, has_aux, wanted, outputs)
 
