@@ -517,7 +517,7 @@ def candidates(
     if got is None:
         return []
     dec, mech = tuple(sc.with_fixed(got[0])), got[1]
-    tl = joint.timeline(sc.planned(dec), prefetch, sc._memo)
+    tl = sc.timeline(dec, prefetch)
     opts = joint.options(tl, mechanisms, costs)
     choice = np.array([mech.get(k, 0) for k in tl.keys], dtype=np.int64)
     if len(choice) and not opts.valid[np.arange(len(choice)), choice].all():

@@ -172,7 +172,7 @@ def plan_seconds(
     ``budget``; and whether HiGHS proved the mechanisms' answer (did not stop at its
     time limit)."""
 
-    tl = joint.timeline(index.planned(tuple(dec)), prefetch, index._seg_memo)
+    tl = index.timeline(index.segments(dec), prefetch)
     opts = joint.options(tl, mechanisms, costs)
     choice, proved = _planner_ilp.solve_proved(tl, opts, budget, time_limit=10.0, work=None)
     if choice is None:
@@ -335,7 +335,7 @@ def plan_candidate(
         if sol.decisions is None:
             break
         dec = tuple(f if f is not None else d for f, d in zip(fixed, sol.decisions))
-        tl = joint.timeline(index.planned(dec), prefetch, index._seg_memo)
+        tl = index.timeline(index.segments(dec), prefetch)
         over = joint.least_bytes(tl, joint.options(tl, mechanisms, costs)) - budget
         if over <= 0:
             break

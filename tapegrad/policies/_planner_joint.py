@@ -167,6 +167,9 @@ def pole_keys(tape: Tape) -> frozenset:
 
 
 COLUMNS = ("save", "offload", "bf16", "int8", "4-bit", "2-bit")
+# `np.iinfo(np.int64).max`, once: `np.iinfo` builds an object per call, and the greedy
+# completion needs it thousands of times per planning call.
+INT64_MAX = int(np.iinfo(np.int64).max)
 
 
 @dataclasses.dataclass
@@ -356,7 +359,7 @@ def _exchange(
     span = np.stack([unp, rel + 1], 1).ravel()
     has_copy = unp <= rel
     r = np.arange(K)
-    inf = np.iinfo(np.int64).max // 4
+    inf = INT64_MAX // 4
     tries = EXCHANGE_TRIES
     for _ in range(3):
         exchanged = False
@@ -408,7 +411,7 @@ def _exchange(
 def _fewest_bytes(opts: Options) -> np.ndarray:
     """Each key's fewest-bytes option (offload where allowed)."""
     # bytes a key holds over its life, weighted as the stored part counts everywhere
-    weight = np.where(opts.valid, opts.stored * 4 + opts.copied, np.iinfo(np.int64).max)
+    weight = np.where(opts.valid, opts.stored * 4 + opts.copied, INT64_MAX)
     return np.argmin(weight, axis=1)
 
 

@@ -31,10 +31,12 @@ flipped, repaired around) and keeps what improves.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from itertools import islice
 from typing import Any
 
 from tapegrad._tape import Record, Tape, Var
 from tapegrad.policies._planner_fast import TapeIndex
+from tapegrad.policies._planner_joint import Timeline
 
 __all__ = [
     "Scorer",
@@ -153,6 +155,9 @@ class Scorer:
     ):
         self.tape = tape
         self.fixed = list(fixed)
+        # the binding decisions (usually none): `with_fixed` runs on every neighbour a
+        # descent tries, thousands per planning call
+        self._bound = [(i, f) for i, f in enumerate(self.fixed) if f is not None]
         self.budget = budget
         self.n = len(tape.records)
         self.best: tuple[float, int, tuple[str, ...], str] | None = None
@@ -182,12 +187,21 @@ class Scorer:
         return self.limit - self.scores
 
     def with_fixed(self, dec: Iterable[str]) -> tuple[str, ...]:
-        return tuple(f if f is not None else d for f, d in zip(self.fixed, dec))
+        d = list(islice(dec, len(self.fixed)))
+        for i, f in self._bound:
+            if i < len(d):
+                d[i] = f
+        return tuple(d)
 
     def planned(self, dec: Sequence[str]) -> Tape:
         # The schedule (segments, `estimate`) reads decisions from ``dec`` and the
         # segments, never from Record.decision: no need to copy every record.
         return self.index.planned(dec)
+
+    def timeline(self, dec: Sequence[str], prefetch: int = 0) -> Timeline:
+        """`_planner_joint.timeline` of the tape planned with ``dec`` (binding decisions
+        applied by the caller), over the index: the joint search's hot path."""
+        return self.index.timeline(self.index.segments(dec), prefetch)
 
     def simulate(self, dec: Sequence[str], trace: dict | None = None):
         """`budget.simulate` of the tape planned with ``dec`` (binding decisions applied

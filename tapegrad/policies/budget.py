@@ -313,7 +313,7 @@ class Budget:
                 )
             flops, peak, chosen, family = best
             kept = sc.index.residual_keys(sc.index.segments(chosen))[0]
-            tl = joint.timeline(sc.planned(chosen), resolve_prefetch(self, tape), sc._memo)
+            tl = sc.timeline(chosen, resolve_prefetch(self, tape))
             self.last = {
                 "peak_bytes": peak,
                 "recompute_flops": flops,
@@ -417,7 +417,7 @@ class Budget:
         if winner is not None and "offload" in self.mechanisms and prefetch == 1:
             (total, _), dec, family, how, _, opts, choice = winner
             for k in range(prefetch_depth(tape, costs), 1, -1):
-                tl = joint.timeline(sc.planned(dec), k, sc._memo)
+                tl = sc.timeline(dec, k)
                 peak = joint.evaluate(tl, opts, choice)[0]
                 if peak <= self.bytes:
                     winner, prefetch = ((total, peak), dec, family, how, tl, opts, choice), k
@@ -480,13 +480,14 @@ class Budget:
         ilp = _ilp_solver(tape)
         scored: list[list[Any]] = []
         seen: set[tuple] = set()
+        greedy: dict[int, Any] = {}  # `_greedy`'s completions, by timeline
 
         def completed(dec: tuple, family: str) -> list[Any]:
             """``dec`` completed with the greedy mechanisms, as a row of ``scored``."""
             nonlocal floor
-            tl = joint.timeline(sc.planned(dec), prefetch, sc._memo)
+            tl = sc.timeline(dec, prefetch)
             rec_s = costs.recompute_s(tl.recompute_flops)
-            opts, choice, total = self._greedy(tl, rec_s, costs)
+            opts, choice, total = self._greedy(tl, rec_s, costs, memo=greedy)
             least = joint.least_bytes(tl, opts)
             floor = least if floor is None else min(floor, least)
             return [total, rec_s, dec, family, "greedy", tl, opts, choice]
@@ -505,7 +506,7 @@ class Budget:
                 seen.add(dec)
                 scored.append(completed(dec, family))
         searched = len(scored)
-        scored += self._descend(tape, sc, scored, prefetch, costs)
+        scored += self._descend(tape, sc, scored, prefetch, costs, greedy)
         if ilp is not None:
             # The exact mechanisms for the most promising plans (greedy's best two, and
             # plans greedy could not fit while they can).
@@ -546,19 +547,40 @@ class Budget:
         return winner, floor
 
     def _greedy(
-        self, tl: Any, rec_s: float, costs: Any, rows: dict | None = None
+        self,
+        tl: Any,
+        rec_s: float,
+        costs: Any,
+        rows: dict | None = None,
+        memo: dict[int, Any] | None = None,
     ) -> tuple[Any, Any, float | None]:
         """A plan's timeline completed with the greedy mechanisms: (the options, the
-        choice or None where nothing fits the budget, the predicted step time or None)."""
+        choice or None where nothing fits the budget, the predicted step time or None).
+        ``memo`` (optional, for one planning call: the same budget, mechanisms and
+        costs) keeps each completion by its timeline, which `TapeIndex.timeline`
+        shares between plans with the same segments; it holds the timeline, so the
+        ``id`` it is kept by is never reused while it is there."""
         from tapegrad.policies import _planner_joint as joint
 
-        opts = joint.options(tl, self.mechanisms, costs, rows)
-        choice = joint.assign_greedy(tl, opts, self.bytes)
-        total = rec_s + joint.evaluate(tl, opts, choice)[1] if choice is not None else None
-        return opts, choice, total
+        got = memo.get(id(tl)) if memo is not None else None
+        if got is None:
+            opts = joint.options(tl, self.mechanisms, costs, rows)
+            choice = joint.assign_greedy(tl, opts, self.bytes)
+            secs = joint.evaluate(tl, opts, choice)[1] if choice is not None else None
+            got = (tl, opts, choice, secs)
+            if memo is not None:
+                memo[id(tl)] = got
+        _, opts, choice, secs = got
+        return opts, choice, (rec_s + secs if secs is not None else None)
 
     def _descend(
-        self, tape: Tape, sc: Any, scored: list, prefetch: int, costs: Any
+        self,
+        tape: Tape,
+        sc: Any,
+        scored: list,
+        prefetch: int,
+        costs: Any,
+        greedy: dict[int, Any] | None = None,
     ) -> list[list[Any]]:
         """`_planner_search.iterate_joint`: descents from the fastest completed
         candidate, from the hand-written policies' plans (`_planner_search.CLASSES`;
@@ -584,11 +606,11 @@ class Budget:
         def complete(dec: tuple, beat: tuple[int, float] | None = None) -> Any:
             got = memo.get(dec)
             if got is None:
-                tl = joint.timeline(sc.planned(dec), prefetch, sc._memo)
+                tl = sc.timeline(dec, prefetch)
                 rec_s = costs.recompute_s(tl.recompute_flops)
                 if beat is not None and beat[0] == 0 and rec_s >= beat[1]:
                     return ((0, rec_s),)  # recompute alone costs more: no mechanisms
-                opts, choice, total = self._greedy(tl, rec_s, costs, rows)
+                opts, choice, total = self._greedy(tl, rec_s, costs, rows, greedy)
                 if total is None:
                     key = (1, float(joint.least_bytes(tl, opts) - self.bytes))
                 else:
@@ -672,7 +694,7 @@ class Budget:
             got = memo.get(dec)
             if got is not None:
                 return got
-            tl = joint.timeline(sc.planned(dec), prefetch, sc._memo)
+            tl = sc.timeline(dec, prefetch)
             rec_s = costs.recompute_s(tl.recompute_flops)
             opts = joint.options(tl, self.mechanisms, costs)
             over = joint.least_bytes(tl, opts) - self.bytes

@@ -1,7 +1,8 @@
 """The planner's scoring engine (`_planner_fast.TapeIndex`) against the executor's own
 functions: on random plans of chains, DAGs, checkpoint regions, derived residuals and
-loops, its segments are `build_segments`' and its (peak, flops, kept sizes, per-record
-trace) are `budget.simulate`'s on the planned tape."""
+loops, its segments are `build_segments`', its (peak, flops, kept sizes, per-record
+trace) are `budget.simulate`'s and its timelines `_planner_joint.timeline`'s on the
+planned tape."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 import tapegrad as tg
 from tapegrad._checkpoint import build_segments
+from tapegrad.policies import _planner_joint as joint
 from tapegrad.policies._planner_fast import TapeIndex
 from tapegrad.policies.budget import simulate
 from tests.policies.test_budget import Cube, gated, make, residual2
@@ -68,16 +70,21 @@ def _seg_sig(segs):
     ]
 
 
+def _plans(n, seed=0):
+    rng = np.random.default_rng(seed)
+    plans = [["save"] * n, ["recompute"] * n]
+    for p in (0.1, 0.3, 0.5, 0.8):
+        plans += [["recompute" if r else "save" for r in rng.random(n) < p] for _ in range(10)]
+    return plans
+
+
 @pytest.mark.parametrize("name", list(_tapes()))
 def test_index_scores_as_the_executor(name):
     f, args = _tapes()[name]
     tape = tg.trace(f, argnums=0)(*args)
     n = len(tape.records)
     idx = TapeIndex(tape)
-    rng = np.random.default_rng(0)
-    plans = [["save"] * n, ["recompute"] * n]
-    for p in (0.1, 0.3, 0.5, 0.8):
-        plans += [["recompute" if r else "save" for r in rng.random(n) < p] for _ in range(10)]
+    plans = _plans(n)
     assert any(build_segments(tape, d) for d in plans)
     for dec in plans:
         segs = build_segments(tape, dec)
@@ -90,6 +97,28 @@ def test_index_scores_as_the_executor(name):
         assert got[:2] == ref[:2], dec
         assert got[2] == ref[2] and list(got[2]) == list(ref[2])
         assert t_idx == t_ref
+
+
+@pytest.mark.parametrize("name", list(_tapes()))
+def test_index_timeline_is_the_tapes(name):
+    f, args = _tapes()[name]
+    tape = tg.trace(f, argnums=0)(*args)
+    idx = TapeIndex(tape)
+    plans = _plans(len(tape.records), seed=1)
+    assert any(build_segments(tape, d) for d in plans)
+    for dec in plans:
+        planned = dataclasses.replace(tape, segments=build_segments(tape, dec))
+        for prefetch in (0, 1, 3):
+            ref = joint.timeline(planned, prefetch, {})
+            got = idx.timeline(idx.segments(dec), prefetch)
+            for field in dataclasses.fields(ref):
+                a, b = getattr(got, field.name), getattr(ref, field.name)
+                if isinstance(b, np.ndarray):
+                    assert a.dtype == b.dtype and np.array_equal(a, b), (field.name, dec)
+                else:
+                    assert type(a) is type(b) and a == b, (field.name, dec)
+            assert got.keys == ref.keys  # the same keys in the same order
+            assert all(u is v for u, v in zip(got.vars, ref.vars))
 
 
 def test_a_thousand_record_tape_plans_within_a_bounded_search():
