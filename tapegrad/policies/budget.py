@@ -928,12 +928,13 @@ def _descend_flops(sc: Any) -> None:
 
 
 # The joint descent (`Budget._descend`): record-evaluations it may spend (one
-# evaluation of an n-record plan, timeline and greedy mechanisms, costs n; ~15-25 µs
-# per record on a 2-core CPU), on tapes of up to how many records; then as many again
-# for the kicks of the iterated search (`_planner_search.iterate_joint`).
-JOINT_WORK = 40_000
+# evaluation of an n-record plan, timeline and greedy mechanisms, costs n; ~4-5 µs
+# per record on a 2-core CPU, ~9 before `TapeIndex.timeline`, when these were 40,000),
+# on tapes of up to how many records; then as many again for the kicks of the iterated
+# search (`_planner_search.iterate_joint`).
+JOINT_WORK = 80_000
 JOINT_RECORDS = 320
-JOINT_KICK_WORK = 40_000
+JOINT_KICK_WORK = 80_000
 # The exact-mechanism descent (`Budget._descend_exact`, with highspy): record-evaluations,
 # each an exact mechanism program (~2-30 ms on 46-90 records).
 EXACT_WORK = 9_000
