@@ -66,7 +66,11 @@ class Timeline:
 
 def timeline(tape: Tape, prefetch: int = 0, memo: dict | None = None) -> Timeline:
     """The `Timeline` of a planned tape (segments built), mirroring `budget.simulate`
-    and the interpreter's backward (prefetch, unpack at first use, release at last)."""
+    and the interpreter's backward (prefetch, unpack at first use, release at last).
+    The planner builds thousands per call with `TapeIndex.timeline`, the same loop over
+    per-tape facts computed once; this plain version over the tape is its reference
+    (``tests/policies/test_planner_fast.py`` checks the two agree field by field) and
+    serves callers that have a tape only."""
     from tapegrad.policies.budget import _uses, segment_cost
 
     memo = {} if memo is None else memo

@@ -721,6 +721,22 @@ def test_exact_descent_reaches_plans_the_greedy_mechanisms_hide(monkeypatch):
     assert exact == pytest.approx(after["time_s"], rel=1e-9)
 
 
+def _plan_without_ilp(monkeypatch, tape, b: int, **constants):
+    """`Budget.plan` (all four mechanisms, bf16) as without highspy (no joint-ILP
+    candidate, greedy mechanisms only), the budget module's ``constants`` set for this
+    call only: (decisions, ``last``)."""
+    import sys
+
+    B = sys.modules["tapegrad.policies.budget"]  # the package exports the function
+    with monkeypatch.context() as m:
+        m.setattr(B, "_joint_ilp_candidate", lambda *a: [])
+        m.setattr(B, "_ilp_solver", lambda tape: None)
+        for name, value in constants.items():
+            m.setattr(B, name, value)
+        pol = Budget(b, allow=ALL, max_error="bf16", costs=COSTS)
+        return pol.plan(tape, [None] * len(tape.records)), pol.last
+
+
 def test_a_flops_descent_repairs_what_the_save_recompute_search_cannot_fit(monkeypatch):
     """On the 46-record transformer block at the budget `bench/ilp_exact.py` puts at
     61% of save()'s peak, no plan the save/recompute search scores fits without
@@ -729,12 +745,9 @@ def test_a_flops_descent_repairs_what_the_save_recompute_search_cannot_fit(monke
     eight records fits with nothing moved, at 1.684 µs (recompute time only; the optimum
     `optimum` proves, checked where highspy is installed); a descent by flops repairing
     the search's least-peak plan finds it. Without highspy, as CI runs it."""
-    import sys
-
     from tapegrad.policies import _planner_ilp
     from tapegrad.policies._planner_fast import TapeIndex
 
-    B = sys.modules["tapegrad.policies.budget"]  # the package exports the function
     tape = tg.trace(block, argnums=0)(*block_args(1))
     n = len(tape.records)
     b = _ilp_exact_budget(monkeypatch, tape, 2, 61)
@@ -744,16 +757,8 @@ def test_a_flops_descent_repairs_what_the_save_recompute_search_cannot_fit(monke
     assert peak <= b  # fits with every residual saved: its time is its recompute flops
     found = COSTS.recompute_s(flops)
 
-    def planned(repair):
-        with monkeypatch.context() as m:
-            m.setattr(B, "REPAIR_FLOPS", repair)
-            m.setattr(B, "_joint_ilp_candidate", lambda *a: [])
-            m.setattr(B, "_ilp_solver", lambda tape: None)  # as without highspy
-            pol = Budget(b, allow=ALL, max_error="bf16", costs=COSTS)
-            return pol.plan(tape, [None] * n), pol.last
-
-    _, before = planned(False)
-    got, after = planned(True)
+    _, before = _plan_without_ilp(monkeypatch, tape, b, REPAIR_FLOPS=False)
+    got, after = _plan_without_ilp(monkeypatch, tape, b, REPAIR_FLOPS=True)
     assert after["time_s"] <= found * (1 + 1e-9), (after["time_s"], found)
     assert after["time_s"] <= 0.95 * before["time_s"], (before["time_s"], after["time_s"])
     assert after["peak_bytes"] <= b
@@ -789,16 +794,8 @@ def test_oscillation_crosses_plans_over_the_budget(monkeypatch):
     peak, flops = Scorer(tape, [None] * n, b).score(dec)
     assert peak <= b and flops == 35_840  # fits with every residual saved
 
-    def planned(work):
-        with monkeypatch.context() as m:
-            m.setattr(B, "OSCILLATE_WORK", work)
-            m.setattr(B, "_joint_ilp_candidate", lambda *a: [])
-            m.setattr(B, "_ilp_solver", lambda tape: None)  # as without highspy
-            pol = Budget(b, allow=ALL, max_error="bf16", costs=COSTS)
-            pol.plan(tape, [None] * n)
-            return pol.last
-
-    before, after = planned(0), planned(B.OSCILLATE_WORK)
+    _, before = _plan_without_ilp(monkeypatch, tape, b, OSCILLATE_WORK=0)
+    _, after = _plan_without_ilp(monkeypatch, tape, b)
     assert after["time_s"] <= COSTS.recompute_s(flops) * (1 + 1e-9), after["time_s"]
     assert after["time_s"] <= 0.75 * before["time_s"], (before["time_s"], after["time_s"])
     assert after["peak_bytes"] <= b
