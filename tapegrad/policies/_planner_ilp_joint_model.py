@@ -62,14 +62,18 @@ backward order; `_planner_joint.timeline`'s record points):
   Σ Δ[p, t]·(p's residuals)`` over ``q``'s parents ``p`` (those not ``q``'s inputs)
   ``+ Σ bytes_v·(Δ[q, t] + s[a, q] − 1)`` over members' values ``v`` (below), less
   ``bytes_v·(1 − x[r])`` for one made by ``a`` that a later reader ``r > q`` reads
-  (the constants on a column fixed to 1); and, per point ``t`` where two or more
-  records with residuals may switch, ``base[t] + Σ_i Δ[i, t]·(i's residuals)``; every
-  point and run row ``≤ budget``;
+  (the constants on a column fixed to 1); again per member ``a`` within ``INPUT_DEPTH``
+  neighbours (before or after ``q``), the first row with ``a``'s inputs ``u`` (not
+  ``q``'s inputs or outputs, nor a nearer member's) at ``full_u·(Σ_m y[u, m] + Δ[q, t]
+  + s[a, q] − 2)`` in place of their terms of ``base[t]``; and, per point ``t`` where
+  two or more records with residuals may switch, ``base[t] + Σ_i Δ[i, t]·(i's
+  residuals)``; every point and run row ``≤ budget``;
 * ``s[a, q]`` in [0, 1], for re-runnable ``a < q`` within ``MEMBER_DEPTH`` neighbours
   of ``q`` (along re-runnable records) that make a value ``v`` not counted in ``q``'s
   run row otherwise: a residual of ``a``, or a value a later re-runnable reader
-  ``r > q`` reads. Rows, per simple path ``a = p_0, ..., p_k = q`` of neighbours
-  (``MEMBER_PATHS`` of them at most): ``s[a, q] ≥ Σ_i x[p_i] − k``.
+  ``r > q`` reads; and for ``a ≠ q`` within ``INPUT_DEPTH`` that read a value. Rows,
+  per simple path ``a = p_0, ..., p_k = q`` of neighbours (``MEMBER_PATHS`` of them at
+  most): ``s[a, q] ≥ Σ_i x[p_i] − k``.
 
 Why every plan the executor runs is feasible here, at the same cost and no more bytes
 (tapes without checkpoint regions or loop records: `build` returns None on others):
@@ -152,6 +156,13 @@ with their mechanisms, ``z[i, t]`` and ``r[i, t]`` = [``i``'s segment has run by
    ``R(a, t − 1) = 0``: ``a`` runs at ``t``; a value of a re-run record is not kept),
    nor ``q``'s inputs or outputs, nor its parents' residuals (left out of the terms).
    Otherwise the term is ``≤ 0``.
+   A member's input ``u``: its term is positive only if ``q``'s segment runs at ``t``
+   with ``a`` in it and ``u`` is kept (so its producer is not re-run): then ``u`` is a
+   segment input, copied before the run and released after it (`timeline`), so held
+   at every step at its stored bytes plus its copy, at least ``full_u``; the row drops
+   ``u``'s terms of ``base[t]`` (``h``, ``c``, ``g`` and the rest are parts of those
+   bytes), and ``u`` is none of ``q``'s inputs, outputs or members' values (those are
+   made in the segment, so not kept). Otherwise the term is ``≤ 0``.
    The row over every record switching at ``t``: at the last run at ``t`` the
    segments run before it at ``t`` hold their outputs (first used at ``t`` or later:
    no record's backward has run since), the last one holds all of its own at its last
@@ -170,8 +181,8 @@ points early, 1 KiB less held at that run than the executor's plan); runs more t
 a window's first point); two segments running at one point see each other's
 residuals only at the last run's end (not at their members' steps); a run row sees
 one record's step (its inputs, outputs, its parents' residuals, and the values of
-members within ``MEMBER_DEPTH`` neighbours, not the copies of the segment's other
-kept inputs).
+members within ``MEMBER_DEPTH`` neighbours, the kept inputs of one member within
+``INPUT_DEPTH``, not the segment's other kept inputs).
 `_planner_ilp_joint.solve` reports the bound HiGHS proved even when it stops at its
 time limit.
 """
@@ -195,6 +206,7 @@ WINDOW: int | None = 8  # points before a need where runs are modelled, for the 
 SUPPORT_LAYERS = 3  # support rows per run column: balls of radius 0..3, then the component
 MEMBER_DEPTH = 3  # run rows count the segment's members up to this many neighbours away
 MEMBER_PATHS = 4  # paths (rows of s) per pair of records
+INPUT_DEPTH = 1  # run rows count the inputs of members up to this many neighbours away
 
 
 @dataclasses.dataclass
@@ -503,6 +515,7 @@ def build(
     pairs: dict[tuple[int, int], int] = {}
     paths: dict[tuple[int, int], list[list[int]]] = {}
     held_at: dict[int, list[tuple[int, int, int | None]]] = {}  # q -> (bytes, a, reader)
+    inputs_at: dict[int, dict[int, list[int]]] = {}  # q -> member a -> a's inputs (keys)
     if early_runs:
         one = col  # fixed to 1: the constants of the run rows' member terms
         col += 1
@@ -519,11 +532,30 @@ def build(
                 for j in sorted(adj.get(pth[-1], ())):
                     if j in pth:
                         continue
-                    if j < q and len(found.setdefault(j, [])) < MEMBER_PATHS:
+                    if len(found.setdefault(j, [])) < MEMBER_PATHS:
                         found[j].append(pth + [j])
                     if len(pth) < MEMBER_DEPTH:
                         stack.append(pth + [j])
-            for src in sorted(found):
+            # q's outputs are not kept when q runs: no row for them
+            counted = ins_q | {o.id for o in recs[q].outputs}
+            for src in sorted(found, key=lambda j: (len(found[j][0]), j)):
+                # a member's inputs (kept ones are segment inputs, held through the run)
+                got = list(
+                    {
+                        v.id: None
+                        for v in recs[src].inputs
+                        if isinstance(v, Var) and v.id in kidx and v.id not in counted
+                    }
+                )
+                counted |= set(got)
+                if got and len(found[src][0]) - 1 <= INPUT_DEPTH:
+                    inputs_at.setdefault(q, {})[src] = got
+                    if (src, q) not in pairs:
+                        pairs[(src, q)] = col
+                        paths[(src, q)] = found[src]
+                        col += 1
+                if src > q:
+                    continue
                 vals: list[tuple[int, int, int | None]] = []
                 for o in recs[src].outputs:
                     if o.id in seen or o.id not in kidx:
@@ -535,9 +567,10 @@ def build(
                     if later:  # read later in the segment: live at q's step
                         vals.append((device_nbytes(o), src, min(later)))
                 if vals:
-                    pairs[(src, q)] = col
-                    paths[(src, q)] = found[src]
-                    col += 1
+                    if (src, q) not in pairs:
+                        pairs[(src, q)] = col
+                        paths[(src, q)] = found[src]
+                        col += 1
                     held_at.setdefault(q, []).extend(vals)
     b0 = col - 1  # b[t], t = 1..T-1: bytes a segment run at t finds held (base[t])
     ncol = col + T - 1
@@ -768,6 +801,23 @@ def build(
                     terms[zc] = terms.get(zc, 0.0) + sign * sum(device_nbytes(w) for w in ws)
             cols = np.array([zc for zc, a in terms.items() if a != 0.0], np.int64)
             runs.append((t, cols, np.array([terms[zc] for zc in cols])))
+            for src, got in inputs_at.get(q, {}).items():
+                # per member a: its inputs, kept (a segment input: held through the run
+                # at its stored bytes and copy, at least its full bytes) in place of their
+                # base terms: full_u·(Σ_m y[u, m] + Δ[q, t] + s[a, q] − 2)
+                more = dict(terms)
+                for vid in got:
+                    ku = kidx[vid]
+                    for zc, vec in kterm[ku].items():
+                        more[zc] = more.get(zc, 0.0) - vec[t]
+                    for yc in ycol_of[ku]:
+                        more[yc] = more.get(yc, 0.0) + full[ku]
+                    for zc, sign in dq:
+                        more[zc] = more.get(zc, 0.0) + sign * full[ku]
+                    more[pairs[(src, q)]] = more.get(pairs[(src, q)], 0.0) + full[ku]
+                    more[one] = more.get(one, 0.0) - 2.0 * full[ku]
+                cols = np.array([zc for zc, a in more.items() if a != 0.0], np.int64)
+                runs.append((t, cols, np.array([more[zc] for zc in cols])))
             if q not in held_at:
                 continue
             # again with the members: bytes·(Δ[q, t] + s[a, q] (+ x[reader]) − 1 (− 1)),
