@@ -35,11 +35,12 @@ backward order; `_planner_joint.timeline`'s record points):
   ``r``: ``R(p, t) ≥ R(a, t) + x[p] − 1`` (no upper limit: a monotone one made the
   58-record U-Net at 70% unsolved at 10 s);
 * ``h[u, t] ≥ Σ_m stored[u, m]·y[u, m] − S_u·(1 − x[q] + z[q, t'])`` (bytes; ``S_u``
-  its most stored bytes) for each ``q`` that may re-run reading ``u``, ``t < F_q``,
-  ``t' = max(t, q's first column)`` (``R(q, t)`` in place of ``z[q, t']`` where ``r``
-  has a column): ``u`` kept for ``q``'s run, past ``L_u``; before ``q``'s window also,
-  for one pair per ``u`` and per ``q`` (``w`` a residual of ``q``), ``h[u, t] ≥ Σ_m
-  min(stored[u, m], full_w)·y[u, m] − C·(1 − x[q])`` — or, with ``r``, in a column
+  its most stored bytes; with ``r``, ``stored + copy`` for a residual ``u``) for each
+  ``q`` that may re-run reading ``u``, ``t < F_q``, ``t' = max(t, q's first column)``
+  (``R(q, t)`` in place of ``z[q, t']`` where ``r`` has a column): ``u`` kept for
+  ``q``'s run, past ``L_u``; before ``q``'s window also, for one pair per ``u`` and per
+  ``q`` (``w`` a residual of ``q``), ``h[u, t] ≥ Σ_m min(stored[u, m],
+  full_w)·y[u, m] − C·(1 − x[q])`` — or, with ``r``, in a column
   ``c[u, t]`` the run rows' base counts instead of ``h[u, t]``: ``c ≥ h[u, t]``,
   ``c ≥ Σ_m min(stored[u, m], full_w)·y[u, m] − C·(1 − x[q] + R(q, t − 1))``
   (``R(q, 0) = 0``);
@@ -111,7 +112,8 @@ with their mechanisms, ``z[i, t]`` and ``r[i, t]`` = [``i``'s segment has run by
    records count 0 here (the timeline does not hold them either). ``h[u, t] > 0``
    only if ``u`` is kept and a re-run reader's segment runs after ``t``: then ``u``
    (its producer not re-run) is that segment's input, held until it runs, with its
-   stored bytes; ``h`` starts past ``L_u``, where the stored term ends. A pair's row,
+   stored bytes, and a residual with its copy too (made at ``U_u ≤ L_u``, released
+   with ``u``); ``h`` starts past ``L_u``, where the stored and copy terms end. A pair's row,
    before ``q``'s window (where ``w`` is counted nowhere else): ``q``'s segment runs
    by ``F_w``; at ``t`` either it has not run and ``u`` is held, or it has and ``w``
    is held to ``L_w ≥ F_w > t``: at least the smaller. Each ``q`` (so each ``w``) is
@@ -135,7 +137,8 @@ with their mechanisms, ``z[i, t]`` and ``r[i, t]`` = [``i``'s segment has run by
    end). If ``q`` does not run at ``t``, the row is ``base[t]`` (less some terms) and
    the residuals of segments running at ``t``: held at the last run at ``t``, or at
    point ``t − 1`` if none runs. ``h[u, t] > 0`` says a reader's segment runs after
-   point ``t``, so ``u`` is held through every run at ``t`` (a pair's ``h``: ``u``
+   point ``t``, so ``u`` is held through every run at ``t`` (a residual's copy too,
+   made by ``L_u ≤ t − 1``; a pair's ``h``: ``u``
    until its reader runs, ``w`` from then on, ``L_w > t``); a copy ``g[v, t − 1]``
    counts is held to ``L_v ≥ U_v ≥ t``. Both sit in ``v``'s (``u``'s) terms of
    ``base``, which a row for a ``q`` reading it subtracts before adding its full
@@ -238,6 +241,7 @@ class Model:
     shadows: list = dataclasses.field(default_factory=list)  # (c, h, key, q, bytes, r col)
     one: int = -1  # a column fixed to 1 (the run rows' constants), -1: none
     pairs: list = dataclasses.field(default_factory=list)  # (s column, a, q): one segment
+    held: np.ndarray | None = None  # (keys, mechanisms): bytes an h counts (None: stored)
 
     @property
     def columns(self) -> int:
@@ -263,16 +267,17 @@ class Model:
             for t in range(s, need):
                 z[col + t - s] = float(ran.get(i, never) <= t)
         col = {kc: self.n + j for j, kc in enumerate(self.ycols)}
+        held = self.opts.stored if self.held is None else self.held
         stored = np.zeros(len(self.keys))
         for k, key in enumerate(self.keys):
             if key in choice:
                 z[col[(k, choice[key])]] = 1.0
-                stored[k] = self.opts.stored[k, choice[key]]
+                stored[k] = held[k, choice[key]]
         for i, c0 in self.before.items():
             for t in range(1, self.window[i][0]):
                 z[c0 + t - 1] = float(ran.get(i, never) <= t)
         for hcol, k, _, qs in self.holds:
-            big = self.opts.stored[k].max()
+            big = held[k].max()
             z[hcol] = max([0.0] + [stored[k] + big * (z[q] - z[c] - 1.0) for q, c in qs])
         for gcol, k, _, qs in self.early:
             m = choice.get(self.keys[k])
@@ -389,6 +394,11 @@ def build(
     kprod = np.array([prod(k) for k in keys], np.int64)
     ycols = [(k, m) for k in range(K) for m in range(opts.valid.shape[1]) if opts.valid[k, m]]
     ny = len(ycols)
+    # bytes an h counts: u's stored bytes; with early_runs, a residual's copy too (made
+    # at its first use, before h's points, and held with it)
+    hbytes = opts.stored.astype(np.float64)
+    if early_runs:
+        hbytes += opts.copied * np.array([k in first for k in keys])[:, None]
 
     # need[i]: the latest point record i, if re-run, has run by: the first use of one
     # of its residuals, or (none) the latest need of the re-run records reading it
@@ -584,10 +594,10 @@ def build(
     integer = np.zeros(ncol, bool)
     integer[:ncol] = True
     for hcol, k, _, _ in holds:
-        upper[hcol] = float(opts.stored[k].max())
+        upper[hcol] = float(hbytes[k].max())
         integer[hcol] = False
     for ccol, _, k, _, _, _ in shadows:
-        upper[ccol] = float(opts.stored[k].max())
+        upper[ccol] = float(hbytes[k].max())
         integer[ccol] = False
     for i, c0 in before.items():
         integer[c0 : c0 + win[i][0] - 1] = False
@@ -682,9 +692,9 @@ def build(
                 if cp != p:  # R(p, t) >= R(a, t) + x[p] - 1 (R(p, t) = x[p]: nothing to say)
                     row([cp, ca, p], [1.0, -1.0, -1.0], -1.0, np.inf)
     for hcol, k, _, zq in holds:
-        big = float(opts.stored[k].max())
+        big = float(hbytes[k].max())
         ys = ycol_of[k]
-        co = [-float(opts.stored[k, ycols[c - n][1]]) for c in ys]
+        co = [-float(hbytes[k, ycols[c - n][1]]) for c in ys]
         for q, zc in zq:
             row([hcol, q, zc] + ys, [1.0, -big, big] + co, -big, np.inf)
     for gcol, k, _, zq in early:
@@ -848,7 +858,7 @@ def build(
     return Model(
         n, keys, kprod, opts, ycols, win, holds, claims, order, cost, upper, integer, rows, mem,
         base, runs, int(budget), early, before, shadows, one,
-        [(sc, a, q) for (a, q), sc in pairs.items()],
+        [(sc, a, q) for (a, q), sc in pairs.items()], hbytes,
     )  # fmt: skip
 
 
