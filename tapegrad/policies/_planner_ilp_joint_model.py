@@ -35,11 +35,12 @@ backward order; `_planner_joint.timeline`'s record points):
   ``r``: ``R(p, t) ≥ R(a, t) + x[p] − 1`` (no upper limit: a monotone one made the
   58-record U-Net at 70% unsolved at 10 s);
 * ``h[u, t] ≥ Σ_m stored[u, m]·y[u, m] − S_u·(1 − x[q] + z[q, t'])`` (bytes; ``S_u``
-  its most stored bytes) for each ``q`` that may re-run reading ``u``, ``t < F_q``,
-  ``t' = max(t, q's first column)`` (``R(q, t)`` in place of ``z[q, t']`` where ``r``
-  has a column): ``u`` kept for ``q``'s run, past ``L_u``; before ``q``'s window also,
-  for one pair per ``u`` and per ``q`` (``w`` a residual of ``q``), ``h[u, t] ≥ Σ_m
-  min(stored[u, m], full_w)·y[u, m] − C·(1 − x[q])`` — or, with ``r``, in a column
+  its most stored bytes; with ``r``, ``stored + copy`` for a residual ``u``) for each
+  ``q`` that may re-run reading ``u``, ``t < F_q``, ``t' = max(t, q's first column)``
+  (``R(q, t)`` in place of ``z[q, t']`` where ``r`` has a column): ``u`` kept for
+  ``q``'s run, past ``L_u``; before ``q``'s window also, for one pair per ``u`` and per
+  ``q`` (``w`` a residual of ``q``), ``h[u, t] ≥ Σ_m min(stored[u, m],
+  full_w)·y[u, m] − C·(1 − x[q])`` — or, with ``r``, in a column
   ``c[u, t]`` the run rows' base counts instead of ``h[u, t]``: ``c ≥ h[u, t]``,
   ``c ≥ Σ_m min(stored[u, m], full_w)·y[u, m] − C·(1 − x[q] + R(q, t − 1))``
   (``R(q, 0) = 0``);
@@ -62,14 +63,18 @@ backward order; `_planner_joint.timeline`'s record points):
   Σ Δ[p, t]·(p's residuals)`` over ``q``'s parents ``p`` (those not ``q``'s inputs)
   ``+ Σ bytes_v·(Δ[q, t] + s[a, q] − 1)`` over members' values ``v`` (below), less
   ``bytes_v·(1 − x[r])`` for one made by ``a`` that a later reader ``r > q`` reads
-  (the constants on a column fixed to 1); and, per point ``t`` where two or more
-  records with residuals may switch, ``base[t] + Σ_i Δ[i, t]·(i's residuals)``; every
-  point and run row ``≤ budget``;
+  (the constants on a column fixed to 1); again per member ``a`` within ``INPUT_DEPTH``
+  neighbours (before or after ``q``), the first row with ``a``'s inputs ``u`` (not
+  ``q``'s inputs or outputs, nor a nearer member's) at ``full_u·(Σ_m y[u, m] + Δ[q, t]
+  + s[a, q] − 2)`` in place of their terms of ``base[t]``; and, per point ``t`` where
+  two or more records with residuals may switch, ``base[t] + Σ_i Δ[i, t]·(i's
+  residuals)``; every point and run row ``≤ budget``;
 * ``s[a, q]`` in [0, 1], for re-runnable ``a < q`` within ``MEMBER_DEPTH`` neighbours
   of ``q`` (along re-runnable records) that make a value ``v`` not counted in ``q``'s
   run row otherwise: a residual of ``a``, or a value a later re-runnable reader
-  ``r > q`` reads. Rows, per simple path ``a = p_0, ..., p_k = q`` of neighbours
-  (``MEMBER_PATHS`` of them at most): ``s[a, q] ≥ Σ_i x[p_i] − k``.
+  ``r > q`` reads; and for ``a ≠ q`` within ``INPUT_DEPTH`` that read a value. Rows,
+  per simple path ``a = p_0, ..., p_k = q`` of neighbours (``MEMBER_PATHS`` of them at
+  most): ``s[a, q] ≥ Σ_i x[p_i] − k``.
 
 Why every plan the executor runs is feasible here, at the same cost and no more bytes
 (tapes without checkpoint regions or loop records: `build` returns None on others):
@@ -107,7 +112,8 @@ with their mechanisms, ``z[i, t]`` and ``r[i, t]`` = [``i``'s segment has run by
    records count 0 here (the timeline does not hold them either). ``h[u, t] > 0``
    only if ``u`` is kept and a re-run reader's segment runs after ``t``: then ``u``
    (its producer not re-run) is that segment's input, held until it runs, with its
-   stored bytes; ``h`` starts past ``L_u``, where the stored term ends. A pair's row,
+   stored bytes, and a residual with its copy too (made at ``U_u ≤ L_u``, released
+   with ``u``); ``h`` starts past ``L_u``, where the stored and copy terms end. A pair's row,
    before ``q``'s window (where ``w`` is counted nowhere else): ``q``'s segment runs
    by ``F_w``; at ``t`` either it has not run and ``u`` is held, or it has and ``w``
    is held to ``L_w ≥ F_w > t``: at least the smaller. Each ``q`` (so each ``w``) is
@@ -131,7 +137,8 @@ with their mechanisms, ``z[i, t]`` and ``r[i, t]`` = [``i``'s segment has run by
    end). If ``q`` does not run at ``t``, the row is ``base[t]`` (less some terms) and
    the residuals of segments running at ``t``: held at the last run at ``t``, or at
    point ``t − 1`` if none runs. ``h[u, t] > 0`` says a reader's segment runs after
-   point ``t``, so ``u`` is held through every run at ``t`` (a pair's ``h``: ``u``
+   point ``t``, so ``u`` is held through every run at ``t`` (a residual's copy too,
+   made by ``L_u ≤ t − 1``; a pair's ``h``: ``u``
    until its reader runs, ``w`` from then on, ``L_w > t``); a copy ``g[v, t − 1]``
    counts is held to ``L_v ≥ U_v ≥ t``. Both sit in ``v``'s (``u``'s) terms of
    ``base``, which a row for a ``q`` reading it subtracts before adding its full
@@ -152,6 +159,13 @@ with their mechanisms, ``z[i, t]`` and ``r[i, t]`` = [``i``'s segment has run by
    ``R(a, t − 1) = 0``: ``a`` runs at ``t``; a value of a re-run record is not kept),
    nor ``q``'s inputs or outputs, nor its parents' residuals (left out of the terms).
    Otherwise the term is ``≤ 0``.
+   A member's input ``u``: its term is positive only if ``q``'s segment runs at ``t``
+   with ``a`` in it and ``u`` is kept (so its producer is not re-run): then ``u`` is a
+   segment input, copied before the run and released after it (`timeline`), so held
+   at every step at its stored bytes plus its copy, at least ``full_u``; the row drops
+   ``u``'s terms of ``base[t]`` (``h``, ``c``, ``g`` and the rest are parts of those
+   bytes), and ``u`` is none of ``q``'s inputs, outputs or members' values (those are
+   made in the segment, so not kept). Otherwise the term is ``≤ 0``.
    The row over every record switching at ``t``: at the last run at ``t`` the
    segments run before it at ``t`` hold their outputs (first used at ``t`` or later:
    no record's backward has run since), the last one holds all of its own at its last
@@ -170,8 +184,8 @@ points early, 1 KiB less held at that run than the executor's plan); runs more t
 a window's first point); two segments running at one point see each other's
 residuals only at the last run's end (not at their members' steps); a run row sees
 one record's step (its inputs, outputs, its parents' residuals, and the values of
-members within ``MEMBER_DEPTH`` neighbours, not the copies of the segment's other
-kept inputs).
+members within ``MEMBER_DEPTH`` neighbours, the kept inputs of one member within
+``INPUT_DEPTH``, not the segment's other kept inputs).
 `_planner_ilp_joint.solve` reports the bound HiGHS proved even when it stops at its
 time limit.
 """
@@ -195,6 +209,7 @@ WINDOW: int | None = 8  # points before a need where runs are modelled, for the 
 SUPPORT_LAYERS = 3  # support rows per run column: balls of radius 0..3, then the component
 MEMBER_DEPTH = 3  # run rows count the segment's members up to this many neighbours away
 MEMBER_PATHS = 4  # paths (rows of s) per pair of records
+INPUT_DEPTH = 1  # run rows count the inputs of members up to this many neighbours away
 
 
 @dataclasses.dataclass
@@ -226,6 +241,7 @@ class Model:
     shadows: list = dataclasses.field(default_factory=list)  # (c, h, key, q, bytes, r col)
     one: int = -1  # a column fixed to 1 (the run rows' constants), -1: none
     pairs: list = dataclasses.field(default_factory=list)  # (s column, a, q): one segment
+    held: np.ndarray | None = None  # (keys, mechanisms): bytes an h counts (None: stored)
 
     @property
     def columns(self) -> int:
@@ -251,16 +267,17 @@ class Model:
             for t in range(s, need):
                 z[col + t - s] = float(ran.get(i, never) <= t)
         col = {kc: self.n + j for j, kc in enumerate(self.ycols)}
+        held = self.opts.stored if self.held is None else self.held
         stored = np.zeros(len(self.keys))
         for k, key in enumerate(self.keys):
             if key in choice:
                 z[col[(k, choice[key])]] = 1.0
-                stored[k] = self.opts.stored[k, choice[key]]
+                stored[k] = held[k, choice[key]]
         for i, c0 in self.before.items():
             for t in range(1, self.window[i][0]):
                 z[c0 + t - 1] = float(ran.get(i, never) <= t)
         for hcol, k, _, qs in self.holds:
-            big = self.opts.stored[k].max()
+            big = held[k].max()
             z[hcol] = max([0.0] + [stored[k] + big * (z[q] - z[c] - 1.0) for q, c in qs])
         for gcol, k, _, qs in self.early:
             m = choice.get(self.keys[k])
@@ -377,6 +394,11 @@ def build(
     kprod = np.array([prod(k) for k in keys], np.int64)
     ycols = [(k, m) for k in range(K) for m in range(opts.valid.shape[1]) if opts.valid[k, m]]
     ny = len(ycols)
+    # bytes an h counts: u's stored bytes; with early_runs, a residual's copy too (made
+    # at its first use, before h's points, and held with it)
+    hbytes = opts.stored.astype(np.float64)
+    if early_runs:
+        hbytes += opts.copied * np.array([k in first for k in keys])[:, None]
 
     # need[i]: the latest point record i, if re-run, has run by: the first use of one
     # of its residuals, or (none) the latest need of the re-run records reading it
@@ -503,6 +525,7 @@ def build(
     pairs: dict[tuple[int, int], int] = {}
     paths: dict[tuple[int, int], list[list[int]]] = {}
     held_at: dict[int, list[tuple[int, int, int | None]]] = {}  # q -> (bytes, a, reader)
+    inputs_at: dict[int, dict[int, list[int]]] = {}  # q -> member a -> a's inputs (keys)
     if early_runs:
         one = col  # fixed to 1: the constants of the run rows' member terms
         col += 1
@@ -519,11 +542,30 @@ def build(
                 for j in sorted(adj.get(pth[-1], ())):
                     if j in pth:
                         continue
-                    if j < q and len(found.setdefault(j, [])) < MEMBER_PATHS:
+                    if len(found.setdefault(j, [])) < MEMBER_PATHS:
                         found[j].append(pth + [j])
                     if len(pth) < MEMBER_DEPTH:
                         stack.append(pth + [j])
-            for src in sorted(found):
+            # q's outputs are not kept when q runs: no row for them
+            counted = ins_q | {o.id for o in recs[q].outputs}
+            for src in sorted(found, key=lambda j: (len(found[j][0]), j)):
+                # a member's inputs (kept ones are segment inputs, held through the run)
+                got = list(
+                    {
+                        v.id: None
+                        for v in recs[src].inputs
+                        if isinstance(v, Var) and v.id in kidx and v.id not in counted
+                    }
+                )
+                counted |= set(got)
+                if got and len(found[src][0]) - 1 <= INPUT_DEPTH:
+                    inputs_at.setdefault(q, {})[src] = got
+                    if (src, q) not in pairs:
+                        pairs[(src, q)] = col
+                        paths[(src, q)] = found[src]
+                        col += 1
+                if src > q:
+                    continue
                 vals: list[tuple[int, int, int | None]] = []
                 for o in recs[src].outputs:
                     if o.id in seen or o.id not in kidx:
@@ -535,9 +577,10 @@ def build(
                     if later:  # read later in the segment: live at q's step
                         vals.append((device_nbytes(o), src, min(later)))
                 if vals:
-                    pairs[(src, q)] = col
-                    paths[(src, q)] = found[src]
-                    col += 1
+                    if (src, q) not in pairs:
+                        pairs[(src, q)] = col
+                        paths[(src, q)] = found[src]
+                        col += 1
                     held_at.setdefault(q, []).extend(vals)
     b0 = col - 1  # b[t], t = 1..T-1: bytes a segment run at t finds held (base[t])
     ncol = col + T - 1
@@ -551,10 +594,10 @@ def build(
     integer = np.zeros(ncol, bool)
     integer[:ncol] = True
     for hcol, k, _, _ in holds:
-        upper[hcol] = float(opts.stored[k].max())
+        upper[hcol] = float(hbytes[k].max())
         integer[hcol] = False
     for ccol, _, k, _, _, _ in shadows:
-        upper[ccol] = float(opts.stored[k].max())
+        upper[ccol] = float(hbytes[k].max())
         integer[ccol] = False
     for i, c0 in before.items():
         integer[c0 : c0 + win[i][0] - 1] = False
@@ -649,9 +692,9 @@ def build(
                 if cp != p:  # R(p, t) >= R(a, t) + x[p] - 1 (R(p, t) = x[p]: nothing to say)
                     row([cp, ca, p], [1.0, -1.0, -1.0], -1.0, np.inf)
     for hcol, k, _, zq in holds:
-        big = float(opts.stored[k].max())
+        big = float(hbytes[k].max())
         ys = ycol_of[k]
-        co = [-float(opts.stored[k, ycols[c - n][1]]) for c in ys]
+        co = [-float(hbytes[k, ycols[c - n][1]]) for c in ys]
         for q, zc in zq:
             row([hcol, q, zc] + ys, [1.0, -big, big] + co, -big, np.inf)
     for gcol, k, _, zq in early:
@@ -768,6 +811,23 @@ def build(
                     terms[zc] = terms.get(zc, 0.0) + sign * sum(device_nbytes(w) for w in ws)
             cols = np.array([zc for zc, a in terms.items() if a != 0.0], np.int64)
             runs.append((t, cols, np.array([terms[zc] for zc in cols])))
+            for src, got in inputs_at.get(q, {}).items():
+                # per member a: its inputs, kept (a segment input: held through the run
+                # at its stored bytes and copy, at least its full bytes) in place of their
+                # base terms: full_u·(Σ_m y[u, m] + Δ[q, t] + s[a, q] − 2)
+                more = dict(terms)
+                for vid in got:
+                    ku = kidx[vid]
+                    for zc, vec in kterm[ku].items():
+                        more[zc] = more.get(zc, 0.0) - vec[t]
+                    for yc in ycol_of[ku]:
+                        more[yc] = more.get(yc, 0.0) + full[ku]
+                    for zc, sign in dq:
+                        more[zc] = more.get(zc, 0.0) + sign * full[ku]
+                    more[pairs[(src, q)]] = more.get(pairs[(src, q)], 0.0) + full[ku]
+                    more[one] = more.get(one, 0.0) - 2.0 * full[ku]
+                cols = np.array([zc for zc, a in more.items() if a != 0.0], np.int64)
+                runs.append((t, cols, np.array([more[zc] for zc in cols])))
             if q not in held_at:
                 continue
             # again with the members: bytes·(Δ[q, t] + s[a, q] (+ x[reader]) − 1 (− 1)),
@@ -798,7 +858,7 @@ def build(
     return Model(
         n, keys, kprod, opts, ycols, win, holds, claims, order, cost, upper, integer, rows, mem,
         base, runs, int(budget), early, before, shadows, one,
-        [(sc, a, q) for (a, q), sc in pairs.items()],
+        [(sc, a, q) for (a, q), sc in pairs.items()], hbytes,
     )  # fmt: skip
 
 
