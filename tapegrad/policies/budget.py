@@ -367,6 +367,18 @@ class Budget:
         late: list[tuple[tuple, str]] = []
         floor = None
         scored_plans = 0  # plans simulated by the save/recompute searches, and below
+
+        def descend_flops(sr: Any, family: str) -> None:
+            """`_descend_flops` on the search ``sr`` (on tapes it runs on), its plan a
+            late candidate (`_complete` skips one already among the candidates)."""
+            nonlocal scored_plans
+            if REPAIR_FLOPS and sr.n <= JOINT_RECORDS:
+                searched = sr.scores
+                _descend_flops(sr)
+                scored_plans += sr.scores - searched
+                if sr.best is not None:
+                    late.append((sr.best[2], family))
+
         if "recompute" in self.allow:
             save_peak = sc.score(hinted)[0]
             if self.bytes < save_peak:
@@ -377,28 +389,18 @@ class Budget:
                 scored_plans += sr.scores
                 if best is None and sr.floor is not None:
                     floor_peak = sr.floor  # (the descent below may lower it)
-                    if REPAIR_FLOPS and sr.n <= JOINT_RECORDS:
-                        # Nothing it scored fits without mechanisms: a descent by flops
-                        # repairing its least-peak plan may find one that does (one
-                        # more candidate; the search goes on at the floor as before).
-                        searched = sr.scores
-                        _descend_flops(sr)
-                        scored_plans += sr.scores - searched
-                        if sr.best is not None:
-                            late.append((sr.best[2], "repaired by flops"))
+                    # Nothing it scored fits without mechanisms: a descent by flops
+                    # repairing its least-peak plan may find one that does (one more
+                    # candidate; the search goes on at the floor as before).
+                    descend_flops(sr, "repaired by flops")
                     sr, best = _save_recompute(tape, fixed, hints, floor_peak)
                     scored_plans += sr.scores
                 if best is not None:
                     cands.append((best[2], best[3]))
                     cands += [(d, "relaxed") for d in _relaxed(sr, best[1], save_peak)]
-                    if REPAIR_FLOPS and sr.n <= JOINT_RECORDS:
-                        # The flops descent's plan (it crosses plans over the budget,
-                        # which the searches by step time do not): a late candidate.
-                        searched = sr.scores
-                        _descend_flops(sr)
-                        scored_plans += sr.scores - searched
-                        if sr.best is not None and sr.best[2] != best[2]:
-                            late.append((sr.best[2], "flops descent"))
+                    # and the flops descent's plan: it crosses plans over the budget,
+                    # which the searches by step time do not
+                    descend_flops(sr, "flops descent")
                 cands += _joint_ilp_candidate(tape, fixed, self, costs)
         # Plan with copies brought back one record ahead (at first use where nothing fits
         # so), then bring them back as early as the cost model asks (`_cost.prefetch_depth`)
