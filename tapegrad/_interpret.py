@@ -363,8 +363,24 @@ def _fit(ct, var, rec: Record, i: int):
     return ct
 
 
-def _unpack(res: Residuals, rec: Record, key, s):
+def _on_host(tree) -> bool:
+    """Whether a traced value (or any leaf of it) lives in host memory (an offload)."""
+    return any(
+        isinstance(x, jax.core.Tracer)
+        and getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+        for x in jax.tree.leaves(tree)
+    )
+
+
+def _unpack(res: Residuals, rec: Record, key, s, after=()):
     packed = res.store[key]
+    if after and _on_host(packed):
+        # Under a trace the host -> device copy has no input computed in backward, so
+        # XLA hoists it (measured on an H100: every copy back ran at the start of
+        # backward, one after the other, and the device held them all at once). Tied
+        # to ``after`` (cotangents of the backward step that asks for it), the copy
+        # starts there and overlaps the records up to its reader.
+        packed = lax.optimization_barrier((packed, tuple(after)))[0]
     if res.plain or key in res.raw or (res.infos[key].is_input and not packs_inputs(res.policy)):
         value = packed
     else:
@@ -521,7 +537,7 @@ def backward(
             return _unpack(res, rec, key, s)
         v = unpacked.get(key)
         if v is None:
-            v = unpacked[key] = _unpack(res, rec, key, s)
+            v = unpacked[key] = _unpack(res, rec, key, s, trigger)
         return v
 
     def _recompute(seg: Segment) -> None:
@@ -564,6 +580,12 @@ def backward(
     prefetch = 0 if plain else resolve_prefetch(res.policy, tape)
     for n, rec in enumerate(order):
         keys = res.keys.get(rec.index, ())
+        gs = [cts.pop(o.id, None) for o in rec.outputs]
+        if capture is not None:  # retained intermediate cotangents (tg.grad(intermediates=))
+            for o, g in zip(rec.outputs, gs):
+                if o.id in capture:
+                    capture[o.id] = g
+        trigger[:] = [g for g in gs if g is not None]
         if prefetch:
             # Start bringing the next records' residuals back now: jax dispatch is
             # asynchronous, so the copies overlap the compute of the records between
@@ -571,13 +593,7 @@ def backward(
             for nxt in order[n + 1 : n + 1 + prefetch]:
                 for s, key in zip(nxt.saves, res.keys.get(nxt.index, ())):
                     if key not in unpacked and key in store:
-                        unpacked[key] = _unpack(res, nxt, key, s)
-        gs = [cts.pop(o.id, None) for o in rec.outputs]
-        if capture is not None:  # retained intermediate cotangents (tg.grad(intermediates=))
-            for o, g in zip(rec.outputs, gs):
-                if o.id in capture:
-                    capture[o.id] = g
-        trigger[:] = [g for g in gs if g is not None]
+                        unpacked[key] = _unpack(res, nxt, key, s, trigger)
         if any(g is not None for g in gs):
             x, y, aux = _saved_values(rec, rec.saves, keys, get)
             if rec.bodies:

@@ -66,7 +66,14 @@ class CostModel:
     ``compress_bytes_per_s``: a compress round trip (pack + unpack) per original byte;
     ``lowbit_bytes_per_s``: the same for 4-bit and 2-bit (None: ``compress_bytes_per_s``
     / 5, the ratio `calibrate` measured on a CPU: pack ~3.5 GB/s, unpack ~9 GB/s, a
-    bfloat16 round trip ~14 GB/s).
+    bfloat16 round trip ~14 GB/s);
+    ``segment_s``: what each recomputed segment adds beyond its flops. Under jit a
+    recomputation starts behind a barrier (so XLA cannot merge it back into forward),
+    which makes it at least one kernel of its own: on an H100, a plan recomputing 0.27
+    GFLOP in 36 segments cost 5% of a 3.9 ms step (+36 kernels), ~5.4 us a segment.
+    The planner counts it as ``segment_s * flops_per_s`` flops per segment. The GPU
+    default, 5 us, was the best of 0 / 1.9 / 5 / 20 us for the 6-block transformer's
+    plans at 90%, 75% and 50% budgets on an H100 (`bench/RESULTS.md`); CPU: 0.
     """
 
     flops_per_s: float
@@ -76,6 +83,11 @@ class CostModel:
     backend: str = "cpu"
     measured: bool = False
     lowbit_bytes_per_s: float | None = None
+    segment_s: float = 0.0
+
+    def segment_flops(self) -> float:
+        """A recomputed segment's fixed cost (`segment_s`) in flops."""
+        return self.segment_s * self.flops_per_s
 
     def recompute_s(self, flops: float) -> float:
         return flops / self.flops_per_s
@@ -106,7 +118,7 @@ class CostModel:
 # matmul rate and PCIe 5 x16 as measured in practice.
 DEFAULTS: dict[str, CostModel] = {
     "cpu": CostModel(5e10, 5e9, 5e9, 2e9, "cpu"),
-    "gpu": CostModel(5e13, 2.5e10, 2.5e10, 1e12, "gpu"),
+    "gpu": CostModel(5e13, 2.5e10, 2.5e10, 1e12, "gpu", segment_s=5e-6),
     "tpu": CostModel(1e14, 1e10, 1e10, 1e12, "tpu"),
 }
 
@@ -137,18 +149,20 @@ def _best_of(fn, repeats: int) -> float:
     return max(best, 1e-9)
 
 
-def calibrate(force: bool = False, *, size: int = 512, mbytes: int = 16, repeats: int = 5):
+def calibrate(force: bool = False, *, size: int | None = None, mbytes: int = 16, repeats: int = 5):
     """Measure this backend's figures with a few timed probes and cache them.
 
     ```python
     costs = tg.policies.calibrate()          # ~0.5 s once per process and backend
     tg.policies.budget(bytes=..., allow=("save", "recompute", "offload"), costs=costs)
     ```
-    Probes: a ``size``-square float32 matmul (flops/s), an ``mbytes`` MiB array to
-    pinned host memory and back (bytes/s each way), a bfloat16 compress round trip
-    of the same array, and a 2-bit pack and unpack of it (bytes/s; timed apart, as
-    forward and backward run them). ``force=True`` measures again. Returns a `CostModel`
-    (``measured=True``); `budget` uses it by default from then on.
+    Probes: ``size``-square float32 matmuls, 8 back to back (flops/s; None: from 512
+    up, doubling until one product takes a millisecond, since small ones measure launch
+    latency on an accelerator: on an H100 a 512-square product gave 3.5e12 flop/s), an
+    ``mbytes`` MiB array to pinned host memory and back (bytes/s each way), a bfloat16
+    compress round trip of the same array, and a 2-bit pack and unpack of it (bytes/s;
+    timed apart, as forward and backward run them). ``force=True`` measures again.
+    Returns a `CostModel` (``measured=True``); `budget` uses it by default from then on.
     """
     import jax
     import jax.numpy as jnp
@@ -158,10 +172,21 @@ def calibrate(force: bool = False, *, size: int = 512, mbytes: int = 16, repeats
         return _CALIBRATED[backend]
     dev = jax.devices()[0]
     key = jax.random.key(0)
-    a = jax.random.normal(key, (size, size), jnp.float32)
     mm = jax.jit(lambda a: a @ a)
-    t_mm = _best_of(lambda: mm(a).block_until_ready(), repeats)
-    flops = 2.0 * size**3 / t_mm
+
+    def products(a, k=8):  # k back to back, one wait: launch latency amortized
+        for _ in range(k):
+            out = mm(a)
+        out.block_until_ready()
+
+    n_mm = size or 512
+    while True:
+        a = jax.random.normal(key, (n_mm, n_mm), jnp.float32)
+        t_mm = _best_of(lambda a=a: products(a), repeats) / 8
+        if size is not None or t_mm >= 1e-3 or n_mm >= 8192:
+            break
+        n_mm *= 2
+    flops = 2.0 * n_mm**3 / t_mm
 
     n = (mbytes << 20) // 4
     x = jax.random.normal(key, (n,), jnp.float32)
@@ -180,7 +205,10 @@ def calibrate(force: bool = False, *, size: int = 512, mbytes: int = 16, repeats
     trip = jax.jit(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32))
     comp = nbytes / _best_of(lambda: trip(x).block_until_ready(), repeats)
     lowbit = nbytes / _lowbit_round_trip(x.reshape(-1, 1024), repeats)
-    model = CostModel(flops, d2h, h2d, comp, backend, measured=True, lowbit_bytes_per_s=lowbit)
+    # Not probed: a small barrier-split chain read 1.9 us a segment on an H100, where
+    # plans on the transformer were fastest at the default's 5 us (`segment_s`).
+    seg = DEFAULTS.get(backend, DEFAULTS["gpu"]).segment_s
+    model = CostModel(flops, d2h, h2d, comp, backend, True, lowbit, seg)
     _CALIBRATED[backend] = model
     return model
 

@@ -33,10 +33,12 @@ __all__ = ["TapeIndex"]
 class TapeIndex:
     """Tape-only facts for scoring many plans of ``tape``, and the scoring itself."""
 
-    def __init__(self, tape: Tape):
+    def __init__(self, tape: Tape, seg_flops: float = 0.0):
         from tapegrad.policies.budget import record_flops
 
         self.tape = tape
+        # each recomputed segment's fixed cost, in flops (`CostModel.segment_flops`)
+        self.seg_flops = seg_flops
         recs = tape.records
         n = len(recs)
         self.n = n
@@ -274,7 +276,7 @@ class TapeIndex:
                 for o in self.out_ids[k]:
                     if o not in last and o not in keep and o in sizes:
                         live -= sizes.pop(o)
-            got = (sum(self.flops[i] for i in seg.records), peak)
+            got = (sum(self.flops[i] for i in seg.records) + self.seg_flops, peak)
             self._seg_memo[mkey] = got
         return got
 

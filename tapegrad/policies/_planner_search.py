@@ -151,7 +151,12 @@ class Scorer:
     fitting plan (least flops, then least peak) and the smallest peak seen."""
 
     def __init__(
-        self, tape: Tape, fixed: Sequence[str | None], budget: int, limit: int | None = None
+        self,
+        tape: Tape,
+        fixed: Sequence[str | None],
+        budget: int,
+        limit: int | None = None,
+        seg_flops: float = 0.0,
     ):
         self.tape = tape
         self.fixed = list(fixed)
@@ -166,7 +171,7 @@ class Scorer:
         self.floor_plan: tuple[str, ...] | None = None  # a plan with that peak
         self._seen: dict[tuple[str, ...], tuple[int, float]] = {}
         # Tape-only facts, computed once; scores every plan (`_planner_fast`).
-        self.index = TapeIndex(tape)
+        self.index = TapeIndex(tape, seg_flops)
         self._memo: dict = self.index._seg_memo  # segment peaks and flops, shared
         self.scores = 0  # plans simulated (each O(records)): the search's work
         # How many plans the search may simulate: every family on small tapes; on big

@@ -302,6 +302,7 @@ class Budget:
                     if "recompute" in self.allow
                     else []
                 ),
+                seg_flops=costs.segment_flops(),
             )
             if best is None:
                 raise BudgetError(
@@ -358,7 +359,8 @@ class Budget:
         from tapegrad.policies._planner_search import Scorer
 
         costs = self.costs if self.costs is not None else default_costs()
-        sc = Scorer(tape, fixed, self.bytes)
+        seg = costs.segment_flops()
+        sc = Scorer(tape, fixed, self.bytes, seg_flops=seg)
         hinted = sc.with_fixed("save" if h is None or h.saves else "recompute" for h in hints)
         cands: list[tuple[tuple, str]] = [(hinted, "hints")]
         # Candidates completed and compared after the searches, not started from: the
@@ -385,7 +387,7 @@ class Budget:
                 # One save/recompute search at the budget (at its floor when nothing
                 # fits); the (peak, flops) Pareto front of every plan it scored gives
                 # the relaxed candidates: less recompute, more bytes left to move.
-                sr, best = _save_recompute(tape, fixed, hints, self.bytes)
+                sr, best = _save_recompute(tape, fixed, hints, self.bytes, seg_flops=seg)
                 scored_plans += sr.scores
                 if best is None and sr.floor is not None:
                     floor_peak = sr.floor  # (the descent below may lower it)
@@ -393,7 +395,7 @@ class Budget:
                     # repairing its least-peak plan may find one that does (one more
                     # candidate; the search goes on at the floor as before).
                     descend_flops(sr, "repaired by flops")
-                    sr, best = _save_recompute(tape, fixed, hints, floor_peak)
+                    sr, best = _save_recompute(tape, fixed, hints, floor_peak, seg_flops=seg)
                     scored_plans += sr.scores
                 if best is not None:
                     cands.append((best[2], best[3]))
@@ -838,20 +840,21 @@ def _from_canonical(tape: Tape, canon: dict) -> dict:
 
 
 def _save_recompute(
-    tape: Tape, fixed: list, hints: list, budget: int, more: Any = None
+    tape: Tape, fixed: list, hints: list, budget: int, more: Any = None, seg_flops: float = 0.0
 ) -> tuple[Any, Any]:
     """The save/recompute search at ``budget``: (scorer, best) with best = (flops, peak,
     decisions, family) or None when nothing fits (``scorer.floor``: the least peak seen).
     ``more()``, given by plain budgets (save/recompute, scored by flops), is called when
     the hints do not fit: more plans to score (decisions, family), then a descent by
-    flops from the best (`_descend_flops`). The joint planner gives none: its own
+    flops from the best (`_descend_flops`). ``seg_flops``: each recomputed segment's
+    fixed cost (`CostModel.segment_flops`). The joint planner gives none: its own
     descent scores by step time, and a flops descent here only moved its starts
     (worse on 6 of 39 `bench/ilp_bench.py` cells compared, better on 2)."""
     from tapegrad.policies import _planner_search as search
     from tapegrad.policies._planner_chain import as_chain, chain_plan
     from tapegrad.policies._planner_stages import stage_plan
 
-    sc = search.Scorer(tape, fixed, budget)
+    sc = search.Scorer(tape, fixed, budget, seg_flops=seg_flops)
     hinted = sc.with_fixed("save" if h is None or h.saves else "recompute" for h in hints)
     if sc.fits(hinted, "hints"):
         return sc, sc.best

@@ -101,3 +101,49 @@ def test_bad_prefetch_is_rejected():
         P.offload(prefetch=-1)
     with pytest.raises(ValueError, match="prefetch"):
         P.offload(prefetch="soon")
+
+
+def _depends(jaxpr, roots) -> set:
+    """Variables of ``jaxpr`` (top level) computed from any of ``roots``."""
+    seen = set(roots)
+    for eqn in jaxpr.eqns:
+        if any(not hasattr(v, "val") and v in seen for v in eqn.invars):  # skip literals
+            seen.update(eqn.outvars)
+    return seen
+
+
+@pytest.mark.parametrize("which", ["offload", "offload, prefetch=0", "budget"])
+def test_copies_back_follow_backward_under_jit(model, which):
+    """Under jit a host -> device copy with no input from backward is hoisted by XLA: on an
+    H100 every copy back ran at the start of backward, one after the other, none beside
+    compute, and the device held them all (bench/budget_gpu.py). Each copy back must
+    depend on the cotangent, so that it starts where backward asks for it."""
+    ws, x = model
+    if which == "budget":
+        save = tg.memory_report(mlp, policy=P.save())(ws, x).beyond_inputs_bytes
+        policy = P.budget(bytes=save // 4, allow=("save", "offload"), costs=COSTS)
+    else:
+        policy = P.offload(prefetch=0) if "prefetch" in which else P.offload()
+
+    def step(ws, x, ct):
+        _, vjp_fn = tg.vjp(mlp, ws, x, policy=policy)
+        return vjp_fn(ct)
+
+    jaxpr = jax.make_jaxpr(step)(ws, x, jnp.float32(1.0)).jaxpr
+    after_ct = _depends(jaxpr, [jaxpr.invars[-1]])
+    host, device = jax.memory.Space.Host, jax.memory.Space.Device
+    back = [
+        e
+        for e in jaxpr.eqns
+        if e.primitive.name == "device_put"
+        and e.invars[0].aval.memory_space == host
+        and e.outvars[0].aval.memory_space == device
+    ]
+    assert len(back) >= 5  # the activations that moved (the budget keeps 2 of 8)
+    assert all(e.outvars[0] in after_ct for e in back)
+    grads = jax.jit(step)(ws, x, jnp.float32(1.0))
+    saved = jax.jit(lambda ws, x, ct: tg.vjp(mlp, ws, x, policy=P.save())[1](ct))
+    chex.assert_trees_all_close(grads, saved(ws, x, jnp.float32(1.0)), rtol=1e-6, atol=1e-7)
+    # jax's own gradient, to float32 matmul noise (jit vs eager differ by as much)
+    ref = jax.jit(jax.grad(mlp, argnums=(0, 1)))(ws, x)
+    chex.assert_trees_all_close(grads, ref, rtol=2e-3, atol=1e-5)
