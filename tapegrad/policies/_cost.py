@@ -114,11 +114,12 @@ class CostModel:
 
 
 # Rough figures, used until `calibrate` measures the machine. CPU: a few cores' f32
-# matmul, memcpy-speed "transfers" (host and device share DRAM). GPU: an H100's f32
-# matmul rate and PCIe 5 x16 as measured in practice.
+# matmul, memcpy-speed "transfers" (host and device share DRAM). GPU: what `calibrate`
+# measured on an H100 (jax's default f32 matmul precision, pinned host copies, bf16 and
+# 2-bit round trips; `bench/RESULTS.md`, session 15) and the per-segment cost.
 DEFAULTS: dict[str, CostModel] = {
     "cpu": CostModel(5e10, 5e9, 5e9, 2e9, "cpu"),
-    "gpu": CostModel(5e13, 2.5e10, 2.5e10, 1e12, "gpu", segment_s=5e-6),
+    "gpu": CostModel(4e14, 3.2e10, 3.4e10, 1.9e11, "gpu", False, 7e10, 5e-6),
     "tpu": CostModel(1e14, 1e10, 1e10, 1e12, "tpu"),
 }
 
