@@ -214,7 +214,8 @@ def section_transformer(quick: bool, rounds: int):
             rows[name] = (temp_bytes(c), err, dev, host)
             print(f"{name}: {kernels(c.as_text())} kernels in the compiled step")
             if hasattr(pol, "last"):
-                print(f"{name}: recompute {pol.last.get('recompute_flops', 0) / 1e9:.2f} GFLOP")
+                flops, segs = pol.last.get("recompute_flops", 0), pol.last.get("recompute_segments")
+                print(f"{name}: recompute {flops / 1e9:.2f} GFLOP in {segs} segments")
             fns[name] = lambda c=c: c(*args)
         except Exception as e:  # report and go on: one failure must not hide the rest
             print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}")

@@ -313,11 +313,14 @@ class Budget:
                     "held at once."
                 )
             flops, peak, chosen, family = best
-            kept = sc.index.residual_keys(sc.index.segments(chosen))[0]
+            segs = sc.index.segments(chosen)
+            kept = sc.index.residual_keys(segs)[0]
             tl = sc.timeline(chosen, resolve_prefetch(self, tape))
             self.last = {
                 "peak_bytes": peak,
-                "recompute_flops": flops,
+                # the flops themselves: the objective adds `segment_s` per segment
+                "recompute_flops": flops - len(segs) * sc.index.seg_flops,
+                "recompute_segments": len(segs),
                 "plan": family,
                 "plans_scored": sc.scores,
                 "residuals": {
@@ -438,9 +441,11 @@ class Budget:
         names = opts.names(choice)
         counts = {m: names.count(m) for m in joint.COLUMNS if m in names}
         r = np.arange(len(tl.keys))
+        nseg = len(sc.index.segments(dec))
         self.last = {
             "peak_bytes": peak,
-            "recompute_flops": tl.recompute_flops,
+            "recompute_flops": tl.recompute_flops - nseg * sc.index.seg_flops,
+            "recompute_segments": nseg,
             "plan": f"{family} + {how} mechanisms"
             if len(counts) > 1 or "save" not in counts
             else family,
