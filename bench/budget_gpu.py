@@ -268,7 +268,6 @@ def section_hiding(quick: bool, rounds: int):
     plans = {
         "save()": P.save(),
         "budget 25% save/offload": P.budget(bytes=int(0.25 * save_dev), allow=("save", "offload")),
-        "budget 5% save/offload": P.budget(bytes=int(0.05 * save_dev), allow=("save", "offload")),
         "offload()": P.offload(),
     }
     ref = jax.jit(tg.grad(f, argnums=(0, 1), policy=P.save()))(*args)
