@@ -563,16 +563,11 @@ def build(
                     }
                 )
                 counted |= set(got)
-                if got and len(found[src][0]) - 1 <= INPUT_DEPTH:
+                member = bool(got) and len(found[src][0]) - 1 <= INPUT_DEPTH
+                if member:
                     inputs_at.setdefault(q, {})[src] = got
-                    if (src, q) not in pairs:
-                        pairs[(src, q)] = col
-                        paths[(src, q)] = found[src]
-                        col += 1
-                if src > q:
-                    continue
                 vals: list[tuple[int, int, int | None]] = []
-                for o in recs[src].outputs:
+                for o in recs[src].outputs if src < q else ():
                     if o.id in seen or o.id not in kidx:
                         continue
                     if o.id in first:
@@ -582,11 +577,11 @@ def build(
                     if later:  # read later in the segment: live at q's step
                         vals.append((device_nbytes(o), src, min(later)))
                 if vals:
-                    if (src, q) not in pairs:
-                        pairs[(src, q)] = col
-                        paths[(src, q)] = found[src]
-                        col += 1
                     held_at.setdefault(q, []).extend(vals)
+                if member or vals:  # one s[src, q] for its inputs and its values
+                    pairs[(src, q)] = col
+                    paths[(src, q)] = found[src]
+                    col += 1
     b0 = col - 1  # b[t], t = 1..T-1: bytes a segment run at t finds held (base[t])
     ncol = col + T - 1
     cost = np.zeros(ncol)
