@@ -203,6 +203,20 @@ def _assert_pointwise_below(model, z, tl, opts, choice):
         assert v <= live[pos[t - 1] : pos[t]].max() + 1e-6, (t, v, live[pos[t - 1] : pos[t]])
 
 
+def _checked_plans(model, tape, mechs, seed):
+    """80 random executor plans of ``tape`` (copies at first use) at ``model``'s columns,
+    each checked: every row holds, and the bytes stay below the executor's at each point
+    and run. Yields (planned tape, mechanism choice by residual key, columns ``z``)."""
+    for planned, tl, opts, choice in _random_plans(
+        tape, [None] * len(tape.records), mechs, 0, 80, seed
+    ):
+        ch = {k: int(c) for k, c in zip(tl.keys, choice)}
+        z = model.at_plan(planned, ch)
+        assert model.check(z)[0]
+        _assert_pointwise_below(model, z, tl, opts, choice)
+        yield planned, ch, z
+
+
 @pytest.mark.parametrize("name", ["unet", "dag", "block"])
 def test_early_copies_held_inputs_and_support_rows_hold_at_executor_plans_and_bind(name):
     """The rows that tighten the bound (`_planner_ilp_joint_model`: early copies ``g``,
@@ -219,10 +233,7 @@ def test_early_copies_held_inputs_and_support_rows_hold_at_executor_plans_and_bi
     model = J.build(tape, [None] * n, 1 << 60, mechs, COSTS, 0)
     assert model.early
     copies = early = broken = 0
-    for planned, tl, opts, choice in _random_plans(tape, [None] * n, mechs, 0, 80, 2):
-        z = model.at_plan(planned, {k: int(c) for k, c in zip(tl.keys, choice)})
-        assert model.check(z)[0]
-        _assert_pointwise_below(model, z, tl, opts, choice)
+    for _, _, z in _checked_plans(model, tape, mechs, 2):
         copies += sum(z[c] > 0 for c, _, _, _ in model.early)
         early += sum(z[c + f_ - 1 - s] > 0.5 for s, f_, c in model.window.values())
         bad = z.copy()
@@ -252,11 +263,7 @@ def test_early_runs_hold_at_executor_plans_and_bind(name):
     assert model.before and not plain.before
     rcols = [c for i, c0 in model.before.items() for c in range(c0, c0 + model.window[i][0] - 1)]
     ran = more = broken = 0
-    for planned, tl, opts, choice in _random_plans(tape, [None] * n, mechs, 0, 80, 3):
-        ch = {k: int(c) for k, c in zip(tl.keys, choice)}
-        z = model.at_plan(planned, ch)
-        assert model.check(z)[0]
-        _assert_pointwise_below(model, z, tl, opts, choice)
+    for planned, ch, z in _checked_plans(model, tape, mechs, 3):
         ran += int(np.sum(z[rcols] > 0.5))
         more += int(np.any(model.peaks(z)[0] > plain.peaks(plain.at_plan(planned, ch))[0] + 0.5))
         bad = z.copy()
@@ -282,10 +289,7 @@ def test_segment_members_in_run_rows_hold_at_executor_plans_and_bind(name):
     assert model.pairs and model.one >= 0 and not plain.pairs and plain.one < 0
     scols = [c for c, _, _ in model.pairs]
     together = more = 0
-    for planned, tl, opts, choice in _random_plans(tape, [None] * n, mechs, 0, 80, 4):
-        z = model.at_plan(planned, {k: int(c) for k, c in zip(tl.keys, choice)})
-        assert model.check(z)[0]
-        _assert_pointwise_below(model, z, tl, opts, choice)
+    for _, _, z in _checked_plans(model, tape, mechs, 4):
         together += int(np.sum(z[scols] > 0.5))
         bare = z.copy()
         bare[scols] = 0.0
@@ -308,11 +312,7 @@ def test_member_inputs_in_run_rows_hold_at_executor_plans_and_bind(name, monkeyp
     bare = J.build(tape, [None] * n, 1 << 60, mechs, COSTS, 0)
     assert len(model.runs) > len(bare.runs)
     more = 0
-    for planned, tl, opts, choice in _random_plans(tape, [None] * n, mechs, 0, 80, 5):
-        ch = {k: int(c) for k, c in zip(tl.keys, choice)}
-        z = model.at_plan(planned, ch)
-        assert model.check(z)[0]
-        _assert_pointwise_below(model, z, tl, opts, choice)
+    for planned, ch, _ in _checked_plans(model, tape, mechs, 5):
         with_inputs, without = {}, {}
         for m, out in ((model, with_inputs), (bare, without)):
             for (t, _, _), v in zip(m.runs, m.peaks(m.at_plan(planned, ch))[1]):
@@ -354,11 +354,7 @@ def test_held_copies_hold_at_executor_plans_and_bind(name):
     mechs = ("offload", "bf16")
     model = J.build(tape, [None] * n, 1 << 60, mechs, COSTS, 0)
     more = 0
-    for planned, tl, opts, choice in _random_plans(tape, [None] * n, mechs, 0, 80, 6):
-        ch = {k: int(c) for k, c in zip(tl.keys, choice)}
-        z = model.at_plan(planned, ch)
-        assert model.check(z)[0]
-        _assert_pointwise_below(model, z, tl, opts, choice)
+    for _, ch, z in _checked_plans(model, tape, mechs, 6):
         for hcol, k, _, qs in model.holds:
             if model.keys[k] not in ch:
                 continue
