@@ -203,16 +203,17 @@ def section_transformer(quick: bool, rounds: int):
     for name, pol in jax_policies().items():
         grads[f"jax {name}"] = (None, jax.grad(jax.checkpoint(f, policy=pol), argnums=(0, 1)))
     ref = jax.jit(grads["save()"][1])(*args)
-    fns = {}
+    fns, hlos = {}, {}
     for name, (pol, g) in grads.items():
         try:
             c = compiled(g, *args)
+            hlos[name] = c.as_text()
             err = max_err(ref, c(*args))
             dev = host = None
             if pol is not None:
                 dev, host = device_activation_bytes(f, args, pol)
             rows[name] = (temp_bytes(c), err, dev, host)
-            print(f"{name}: {kernels(c.as_text())} kernels in the compiled step")
+            print(f"{name}: {kernels(hlos[name])} kernels in the compiled step")
             if hasattr(pol, "last"):
                 flops, segs = pol.last.get("recompute_flops", 0), pol.last.get("recompute_segments")
                 print(f"{name}: recompute {flops / 1e9:.2f} GFLOP in {segs} segments")
@@ -233,9 +234,8 @@ def section_transformer(quick: bool, rounds: int):
         )
     for name in rows:
         if "offload" in name:
-            hlo = compiled(grads[name][1], *args).as_text()
-            dump(name, hlo)
-            print(f"  HLO {name}: {describe_pairs(copy_pairs(hlo))}")
+            dump(name, hlos[name])
+            print(f"  HLO {name}: {describe_pairs(copy_pairs(hlos[name]))}")
     return rows, t
 
 
@@ -278,8 +278,9 @@ def section_hiding(quick: bool, rounds: int):
             c = compiled(g, *args)
             err = max_err(ref, c(*args))
             dev, host = device_activation_bytes(f, args, pol)
-            info[name] = (dev, host, err, temp_bytes(c), copy_pairs(c.as_text()))
-            dump("mlp " + name, c.as_text())
+            hlo = c.as_text()
+            info[name] = (dev, host, err, temp_bytes(c), copy_pairs(hlo))
+            dump("mlp " + name, hlo)
             jit_fns[name] = lambda c=c: c(*args)
             eager_fns[name] = lambda g=g: g(*args)
         except Exception as e:
