@@ -16,6 +16,10 @@ against the joint ILP's lower bound (`_planner_ilp_joint`), in one run:
    `plan_windows`, exact mechanisms) when one fits, and `Budget` as
    shipped (heuristic plus those candidates) with its gap; in the summary, how many
    budgets the decoded plan beats the heuristic at.
+   ``--plans``: no bound, only the plans: per cell the heuristic's predicted time and
+   planning CPU without highspy (as on CI: greedy mechanisms only) and `Budget` as
+   shipped with it; ``--set NAME=VALUE,...`` sets the budget module's constants first
+   (e.g. ``--set JOINT_WORK=80000,JOINT_KICK_WORK=80000``, to compare search work).
 2. On tapes small enough for brute force (10 free records, every save/recompute plan
    with its exact mechanisms): heuristic, `Budget` with the joint-ILP candidate, the
    true optimum and the bound, so a gap can be put on the heuristic or on the
@@ -164,6 +168,47 @@ def quality(quick: bool, limit: float) -> None:
         )
 
 
+def _timed(tape, b, highspy: bool) -> tuple[float | None, float]:
+    """`Budget.plan` at ``b``: (predicted seconds or None, planning CPU seconds); without
+    highspy (no joint-ILP candidate, greedy mechanisms only) or as shipped."""
+    saved = B._joint_ilp_candidate, B._ilp_solver
+    if not highspy:
+        B._joint_ilp_candidate, B._ilp_solver = (lambda *a: []), (lambda tape: None)
+    t0 = time.process_time()
+    try:
+        pol = Budget(b, allow=ALL, max_error="bf16", costs=COSTS)
+        pol.plan(tape, [None] * len(tape.records))
+        got = pol.last["time_s"]
+    except BudgetError:
+        got = None
+    finally:
+        B._joint_ilp_candidate, B._ilp_solver = saved
+    return got, time.process_time() - t0
+
+
+def plans(quick: bool) -> None:
+    print("\n## plans only (predicted µs per step; planning CPU s)")
+    print("| family | size | records | budget (% save) | no highspy | CPU s | shipped | CPU s |")
+    print("|---|---|---|---|---|---|---|---|")
+    tot = np.zeros(4)
+    for fam, size, f, args in families(quick):
+        tape = tg.trace(f, argnums=0)(*args)
+        n = len(tape.records)
+        full = estimate(tape)[0]
+        lo, hi = floor_of(tape), int(full * 0.9)
+        for b in np.unique(np.linspace(hi, lo, 3 if quick else 5).astype(int))[::-1]:
+            h, hs = _timed(tape, int(b), False)
+            w, ws = _timed(tape, int(b), True)
+            tot += [h or 0.0, hs, w or 0.0, ws]
+            print(
+                f"| {fam} | {size} | {n} | {b / full:.0%} | {fmt(h)} | {hs:.2f} | {fmt(w)} | "
+                f"{ws:.2f} |",
+                flush=True,
+            )
+    h, hs, w, ws = tot
+    print(f"| total | | | | {h * 1e6:.3f} | {hs:.1f} | {w * 1e6:.3f} | {ws:.1f} |")
+
+
 def brute(tape, fixed, b):
     free = [i for i, x in enumerate(fixed) if x is None]
     sc = Scorer(tape, fixed, b)
@@ -239,12 +284,23 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--limit", type=float, default=10.0, help="ILP time limit, seconds")
     ap.add_argument("--small", action="store_true", help="section 2 only")
+    ap.add_argument("--plans", action="store_true", help="the plans only, no bound")
+    ap.add_argument("--set", default="", help="budget constants, NAME=VALUE,...")
     a = ap.parse_args()
+    for item in filter(None, a.set.split(",")):
+        name, value = item.split("=")
+        if not hasattr(B, name):
+            raise SystemExit(f"no constant {name} in tapegrad.policies.budget")
+        setattr(B, name, int(value))
     if not _planner_ilp.available():
         print("highspy not installed (pip install tapegrad[planner]): nothing to measure")
         return
     print(f"cost model {COSTS}; mechanisms {MECHS}; prefetch 1; ILP limit {a.limit:g} s")
     t0 = time.perf_counter()
+    if a.plans:
+        plans(a.quick)
+        print(f"\n({time.perf_counter() - t0:.0f} s)")
+        return
     small(a.quick)
     if not a.small:
         quality(a.quick, a.limit)

@@ -676,20 +676,20 @@ class Budget:
         """A descent (`_planner_search.descend_joint`) from the fastest plan so far,
         each plan completed with the exact mechanisms (``ilp``, `_planner_ilp.solve`)
         instead of the greedy ones, for `EXACT_WORK` record-evaluations; where
-        `_descend` runs. `_descend` ranks plans by their greedy completion, which can
-        be above the exact one (up to 1.29x on the bench's timelines, 64x before
-        `assign_greedy`'s capped score and exchanges): it cannot see plans whose
-        mechanisms only the exact program packs well; single flips from its winner
-        scored exactly reach them (with the old greedy, 3.482 -> 3.067 µs on a
-        46-record transformer block at 46% of save()'s peak; the new greedy's descent
-        reaches that plan itself). Returns the plan when it beats the fastest, scored
-        like the others."""
+        `_descend` runs, on tapes of up to `EXACT_RECORDS` records. `_descend` ranks
+        plans by their greedy completion, which can be above the exact one (up to
+        1.29x on the bench's timelines, 64x before `assign_greedy`'s capped score and
+        exchanges): it cannot see plans whose mechanisms only the exact program packs
+        well; single flips from its winner scored exactly reach them (with the old
+        greedy, 3.482 -> 3.067 µs on a 46-record transformer block at 46% of save()'s
+        peak; the new greedy's descent reaches that plan itself). Returns the plan when
+        it beats the fastest, scored like the others."""
         from tapegrad.policies import _planner_chain_joint as chain_joint
         from tapegrad.policies import _planner_joint as joint
         from tapegrad.policies import _planner_search as search
 
         n = len(tape.records)
-        if "recompute" not in self.allow or n > JOINT_RECORDS or EXACT_WORK <= 0:
+        if "recompute" not in self.allow or n > EXACT_RECORDS or EXACT_WORK <= 0:
             return []
         if n <= chain_joint.MAX_RECORDS and chain_joint.joint_chain(tape, prefetch) is not None:
             return []
@@ -908,7 +908,7 @@ def _descend_flops(sc: Any) -> None:
     """`_planner_search.iterate_joint` scored by recompute flops (bytes over the budget
     where a plan does not fit): descents from the best plan found (else the least peak
     seen, which they repair) and from the hand-written plans of `JOINT_CLASSES`,
-    sharing `JOINT_WORK` record-evaluations, then kicks for `JOINT_KICK_WORK` more
+    sharing `FLOPS_WORK` record-evaluations, then kicks for `FLOPS_KICK_WORK` more
     (at spread positions: never worse, up to 25% fewer flops on 8 of 24 DAG cells tried,
     ~0.1 s more), then descents that cross plans over the budget at a penalty per byte
     (`_planner_search.oscillate`, `OSCILLATE_WORK`; the penalty's scale is the best
@@ -925,7 +925,7 @@ def _descend_flops(sc: Any) -> None:
     starts += [dec for dec, _ in _class_starts(sc)]
     n = max(sc.n, 1)
     search.iterate_joint(
-        sc, [s for s in starts if s is not None], cost, JOINT_WORK // n, JOINT_KICK_WORK // n
+        sc, [s for s in starts if s is not None], cost, FLOPS_WORK // n, FLOPS_KICK_WORK // n
     )
     if OSCILLATE_WORK > 0 and sc.best is not None:
 
@@ -939,17 +939,27 @@ def _descend_flops(sc: Any) -> None:
 
 # The joint descent (`Budget._descend`): record-evaluations it may spend (one
 # evaluation of an n-record plan, timeline and greedy mechanisms, costs n; ~4-5 µs
-# per record on a 2-core CPU, ~9 before `TapeIndex.timeline`, when these were 40,000),
-# on tapes of up to how many records; then as many again for the kicks of the iterated
-# search (`_planner_search.iterate_joint`).
-JOINT_WORK = 80_000
+# per record on a 2-core CPU), on tapes of up to how many records; then as many again
+# for the kicks of the iterated search (`_planner_search.iterate_joint`). On tapes of
+# 150-270 records the descents stop at this limit, not at a local optimum: 240,000
+# (was 80,000) gives 17 of `bench/ilp_bench.py`'s 60 cells faster plans, up to -8.5%
+# on the 230-record U-Net, none slower (`bench/RESULTS.md`, session 16).
+JOINT_WORK = 240_000
 JOINT_RECORDS = 320
-JOINT_KICK_WORK = 80_000
+JOINT_KICK_WORK = 240_000
 # The exact-mechanism descent (`Budget._descend_exact`, with highspy): record-evaluations,
-# each an exact mechanism program (~2-30 ms on 46-90 records).
+# each an exact mechanism program (~2-30 ms on 46-90 records), on tapes of up to
+# `EXACT_RECORDS` records: above, its share is a few dozen plans, not one sweep, and
+# the joint descent's wider search finds more in that time.
 EXACT_WORK = 9_000
-# The flops descent's oscillation (`_descend_flops`): record-simulations, ~6 µs each
-# (a plan of 58 records descends in ~200 simulations per penalty).
+EXACT_RECORDS = 100
+# The flops descent (`_descend_flops`): record-evaluations for its descents and its
+# kicks (kept at 80,000: more finds plans with fewer flops that are slower once
+# completed with mechanisms, transformer 178 at 70% +9%), then for its oscillation,
+# record-simulations, ~6 µs each (a plan of 58 records descends in ~200 simulations
+# per penalty).
+FLOPS_WORK = 80_000
+FLOPS_KICK_WORK = 80_000
 OSCILLATE_WORK = 200_000
 REPAIR_FLOPS = True
 # The hand-written policies' plans it also starts from (a plan two sweeps of single

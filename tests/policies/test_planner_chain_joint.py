@@ -207,6 +207,7 @@ def _budget_with(tape_fn, args, b, mode_kw, costs, program: bool, monkeypatch):
     if not program:  # two stages: save/recompute by flops, then mechanisms
         monkeypatch.setattr(mod, "_chain_joint", lambda *a: [])
         monkeypatch.setattr(mod, "JOINT_WORK", 0)  # nor the joint descent
+        monkeypatch.setattr(mod, "FLOPS_WORK", 0)  # nor the flops descent
     pol = P.budget(b, costs=costs, **mode_kw)
     try:
         tg.trace(tape_fn, argnums=0, policy=pol)(*args)

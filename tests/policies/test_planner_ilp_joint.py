@@ -673,7 +673,9 @@ def test_joint_descent_beats_the_flops_only_candidates(name, monkeypatch):
 
     def planned(work):  # (without the exact descent, which needs highspy, and the
         # flops descent's oscillation, which finds other plans: its own test below)
-        return _plan_with(monkeypatch, tape, b, JOINT_WORK=work, EXACT_WORK=0, OSCILLATE_WORK=0)
+        return _plan_with(
+            monkeypatch, tape, b, JOINT_WORK=work, FLOPS_WORK=work, EXACT_WORK=0, OSCILLATE_WORK=0
+        )
 
     _, before = planned(0)
     dec, after = planned(25_000)
@@ -704,14 +706,14 @@ def test_plain_budget_descends_by_flops_on_dags(monkeypatch):
     B = sys.modules["tapegrad.policies.budget"]
     monkeypatch.setattr(B, "_joint_ilp_candidate", lambda *a: [])
 
-    kicks = B.JOINT_KICK_WORK
+    kicks = B.FLOPS_KICK_WORK
     monkeypatch.setattr(B, "OSCILLATE_WORK", 0)  # its own test below
 
     def planned(f, args, frac, work, kick_work=kicks):
         tape = tg.trace(f, argnums=0)(*args)
         n = len(tape.records)
-        monkeypatch.setattr(B, "JOINT_WORK", work)
-        monkeypatch.setattr(B, "JOINT_KICK_WORK", kick_work)
+        monkeypatch.setattr(B, "FLOPS_WORK", work)
+        monkeypatch.setattr(B, "FLOPS_KICK_WORK", kick_work)
         pol = Budget(int(estimate(tape)[0] * frac))
         try:
             dec = pol.plan(tape, [None] * n)
