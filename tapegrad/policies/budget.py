@@ -352,11 +352,13 @@ class Budget:
         bytes left for offload/compress to remove), each completed with per-residual
         mechanisms (`_planner_joint`, or the exact `_planner_ilp` on small tapes); on a
         chain also the exact joint program (`_planner_chain_joint`: both chosen at once),
-        on small tapes the plan of the joint ILP (`_planner_ilp_joint`); then, on tapes
+        on small tapes the plans of the joint ILP (`_planner_ilp_joint`: compared after
+        the searches on tapes of up to `WIDE_RECORDS` records, else started from); then, on tapes
         up to `JOINT_RECORDS` records, a local search over save/recompute scored by
         predicted step time (`_descend`); the least predicted step time that fits wins."""
         import numpy as np
 
+        from tapegrad.policies import _planner_ilp_joint as J
         from tapegrad.policies import _planner_joint as joint
         from tapegrad.policies._cost import default_costs
         from tapegrad.policies._planner_search import Scorer
@@ -406,7 +408,17 @@ class Budget:
                     # and the flops descent's plan: it crosses plans over the budget,
                     # which the searches by step time do not
                     descend_flops(sr, "flops descent")
-                cands += _joint_ilp_candidate(tape, fixed, self, costs)
+                # The joint ILP's plans: where they are the relaxation's optimum (tapes of
+                # up to `WIDE_RECORDS` records) compared after the searches, which there
+                # stop at local optima from their own starts, and started from they hold
+                # the kicks in their basin (a 69-record DAG at 55%: 1.971 µs against
+                # 1.505 without them); on larger tapes, where the searches stop at their
+                # work limits, the best start they have (`bench/RESULTS.md`, session 16).
+                ilp_plans = _joint_ilp_candidate(tape, fixed, self, costs)
+                if len(tape.records) <= J.WIDE_RECORDS:
+                    late += ilp_plans
+                else:
+                    cands += ilp_plans
         # Plan with copies brought back one record ahead (at first use where nothing fits
         # so), then bring them back as early as the cost model asks (`_cost.prefetch_depth`)
         # where the plan still fits: the model charges a copy's full time at any depth, so

@@ -899,3 +899,28 @@ def test_oscillation_crosses_plans_over_the_budget(monkeypatch):
         pol = tg.policies.budget(b)
         pol.plan(tape, [None] * n)
     assert pol.last["recompute_flops"] <= flops and pol.last["peak_bytes"] <= b
+
+
+def test_the_joint_ilps_plans_do_not_hold_the_search_back(monkeypatch):
+    """On tapes of up to `WIDE_RECORDS` records the joint ILP's plans are compared after
+    the searches instead of started from. Started from, they held the joint descent's
+    kicks in their basin: on the 69-record random DAG at the budget `bench/ilp_exact.py`
+    puts at 55% of save()'s peak, `Budget` with highspy planned 1.797 predicted µs, and
+    without it 1.505 (the relaxation's bound there is 1.469). With highspy the plan is
+    now at least as fast as without it, and its reported time is `plan_seconds` of its
+    decisions."""
+    pytest.importorskip("highspy")
+    from tapegrad.policies._planner_fast import TapeIndex
+
+    f, args = varied_dag(6, 6, 3)
+    tape = tg.trace(f, argnums=0)(*args)
+    assert len(tape.records) == 69 <= J.WIDE_RECORDS
+    b = _ilp_exact_budget(monkeypatch, tape, 2, 55)
+    _, alone = _plan_without_ilp(monkeypatch, tape, b)
+    pol = Budget(b, allow=ALL, max_error="bf16", costs=COSTS)
+    got = pol.plan(tape, [None] * len(tape.records))
+    assert pol.last["time_s"] <= alone["time_s"] * (1 + 1e-9), (pol.last, alone["time_s"])
+    assert pol.last["peak_bytes"] <= b
+    depth = min(int(pol.last["prefetch"]), 1)
+    exact, _ = J.plan_seconds(TapeIndex(tape), tuple(got), b, ("offload", "bf16"), COSTS, depth)
+    assert exact == pytest.approx(pol.last["time_s"], rel=1e-9)
