@@ -352,10 +352,11 @@ class Budget:
         bytes left for offload/compress to remove), each completed with per-residual
         mechanisms (`_planner_joint`, or the exact `_planner_ilp` on small tapes); on a
         chain also the exact joint program (`_planner_chain_joint`: both chosen at once),
-        on small tapes the plans of the joint ILP (`_planner_ilp_joint`: compared after
-        the searches on tapes of up to `WIDE_RECORDS` records, else started from); then, on tapes
-        up to `JOINT_RECORDS` records, a local search over save/recompute scored by
-        predicted step time (`_descend`); the least predicted step time that fits wins."""
+        on small tapes the plans of the joint ILP (`_planner_ilp_joint`; compared after
+        the searches on tapes of up to `WIDE_RECORDS` records, else started from);
+        then, on tapes up to `JOINT_RECORDS` records, a local search over save/recompute
+        scored by predicted step time (`_descend`); the least predicted step time that
+        fits wins."""
         import numpy as np
 
         from tapegrad.policies import _planner_ilp_joint as J
@@ -408,12 +409,12 @@ class Budget:
                     # and the flops descent's plan: it crosses plans over the budget,
                     # which the searches by step time do not
                     descend_flops(sr, "flops descent")
-                # The joint ILP's plans: where they are the relaxation's optimum (tapes of
-                # up to `WIDE_RECORDS` records) compared after the searches, which there
-                # stop at local optima from their own starts, and started from they hold
-                # the kicks in their basin (a 69-record DAG at 55%: 1.971 µs against
-                # 1.505 without them); on larger tapes, where the searches stop at their
-                # work limits, the best start they have (`bench/RESULTS.md`, session 16).
+                # The joint ILP's plans. On tapes of up to `WIDE_RECORDS` records the
+                # searches reach local optima from their own starts, and started from,
+                # an ILP plan held the kicks in its basin (a 69-record DAG at 55%: 1.797
+                # µs with it, 1.505 without): compared after the searches there. On
+                # larger tapes the searches stop at their work limits and an ILP plan
+                # is the best start they have (`bench/RESULTS.md`, session 16).
                 ilp_plans = _joint_ilp_candidate(tape, fixed, self, costs)
                 if len(tape.records) <= J.WIDE_RECORDS:
                     late += ilp_plans
@@ -954,8 +955,8 @@ def _descend_flops(sc: Any) -> None:
 # per record on a 2-core CPU), on tapes of up to how many records; then as many again
 # for the kicks of the iterated search (`_planner_search.iterate_joint`). On tapes of
 # 150-270 records the descents stop at this limit, not at a local optimum: 240,000
-# (was 80,000) gives 17 of `bench/ilp_bench.py`'s 60 cells faster plans, up to -8.5%
-# on the 230-record U-Net, none slower (`bench/RESULTS.md`, session 16).
+# (was 80,000) gives faster plans on 18 of `bench/ilp_bench.py`'s 60 cells without
+# highspy and 14 with it (up to -22%), none slower (`bench/RESULTS.md`, session 16).
 JOINT_WORK = 240_000
 JOINT_RECORDS = 320
 JOINT_KICK_WORK = 240_000
