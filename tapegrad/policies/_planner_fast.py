@@ -116,33 +116,57 @@ class TapeIndex:
         self.out_bytes = {o.id: o.nbytes for r in recs for o in r.outputs}
         self.flops = [record_flops(r) for r in recs]
         self._seg_memo: dict[tuple, tuple[float, int]] = {}
-        self._prune_memo: dict[tuple, tuple[tuple[int, ...], tuple[Var, ...]]] = {}
+        self._group_memo: dict[tuple[int, ...], tuple] = {}  # `_group`
+        self._piece_memo: dict[tuple, tuple] = {}  # `_piece`
         self._poles: frozenset | None = None  # `pole_keys(tape)`, on the first timeline
         self._dev: dict[Any, int] = {}  # key -> `device_nbytes` of its Var / Saved
         self._bwd_labels = [f"bwd {i}" for i in range(n)]
         self._tl_memo: dict[tuple, Timeline] = {}  # (prefetch, segments) -> its timeline
+        # `segments`: per record, the ids of its outputs some active record saves, and
+        # whether recomputing it makes backward need it (those, or derived residuals)
+        saved_out: list[set[int]] = [set() for _ in range(n)]
+        for i in range(n):
+            if self.active[i]:
+                for vid, p in self.save_vars[i]:
+                    saved_out[p].add(vid)
+        self._saved_out = saved_out
+        self._seeds = [
+            bool(saved_out[i]) or (self.active[i] and (self.has_bodies[i] or self.has_aux[i]))
+            for i in range(n)
+        ]
+        self._segs_memo: dict[tuple[int, ...], tuple[Segment, ...]] = {}  # needed -> segments
+        self._segs_key: dict[int, tuple[int, ...]] = {}  # id of a memoised result -> its key
+        self._sim_memo: dict[tuple[int, ...], tuple] = {}  # needed -> `simulate`'s result
 
     # -- build_segments -------------------------------------------------------------
 
     def segments(self, dec: Sequence[str]) -> tuple[Segment, ...]:
-        """`_checkpoint.build_segments(tape, dec)`, over the index."""
-        tape = self.tape
+        """`_checkpoint.build_segments(tape, dec)`, over the index.
+
+        The segments depend on ``dec`` only through the recomputed records some
+        residual needs (`_needed`): plans that differ elsewhere (a record recomputed
+        that nothing reads from backward) share one result, kept by that set (about
+        half of a joint descent's plans)."""
+        return self._keyed(dec)[1]
+
+    def _keyed(self, dec: Sequence[str]) -> tuple[tuple[int, ...], tuple[Segment, ...]]:
+        """(the recomputed records backward needs, sorted: what the segments depend on;
+        ``dec``'s segments)."""
+        key = tuple(sorted(self._needed(dec)))
+        got = self._segs_memo.get(key)
+        if got is None:
+            got = self._segs_memo[key] = self._build(key) if key else ()
+            self._segs_key[id(got)] = key
+        return key, got
+
+    def _needed(self, dec: Sequence[str]) -> set[int]:
+        """The recomputed records backward needs: those whose outputs some active record
+        saves or that derive residuals, and the recomputed records of their region they
+        read from, transitively."""
         recompute = [d == "recompute" for d in dec]
+        seeds = self._seeds
+        stack = [i for i, r in enumerate(recompute) if r and seeds[i]]
         needed: set[int] = set()
-        wanted: dict[int, set[int]] = {}
-        stack: list[int] = []
-        for i in range(self.n):
-            if not self.active[i]:
-                continue
-            rc = recompute[i]
-            if rc and self.has_bodies[i]:
-                stack.append(i)
-            if rc and self.has_aux[i]:
-                stack.append(i)
-            for vid, p in self.save_vars[i]:
-                if recompute[p]:
-                    wanted.setdefault(p, set()).add(vid)
-                    stack.append(p)
         same_region_in = self.same_region_in
         while stack:
             i = stack.pop()
@@ -150,11 +174,16 @@ class TapeIndex:
                 continue
             needed.add(i)
             for p in same_region_in[i]:
-                if recompute[p]:
+                if recompute[p] and p not in needed:
                     stack.append(p)
-        if not needed:
-            return ()
-        parent = {i: i for i in needed}
+        return needed
+
+    def _build(self, needed_sorted: tuple[int, ...]) -> tuple[Segment, ...]:
+        needed = set(needed_sorted)
+        saved_out = self._saved_out
+        wanted = {p: saved_out[p] for p in needed_sorted if saved_out[p]}
+        same_region_in = self.same_region_in
+        parent = {i: i for i in needed_sorted}
 
         def find(i: int) -> int:
             while parent[i] != i:
@@ -162,67 +191,77 @@ class TapeIndex:
                 i = parent[i]
             return i
 
-        for i in needed:
+        for i in needed_sorted:
             for j in same_region_in[i]:
                 if j in needed:
                     parent[find(i)] = find(j)
         groups: dict[int, list[int]] = {}
-        for i in sorted(needed):
+        for i in needed_sorted:
             groups.setdefault(find(i), []).append(i)
-        groups_l = sorted(groups.values())
-        inputs_of: list[dict[int, Var]] = []
-        for idxs in groups_l:
+        groups_l = sorted(tuple(g) for g in groups.values())
+        facts = [self._group(idxs) for idxs in groups_l]
+        inputs_of = [f[0] for f in facts]
+        has_aux = [f[1] for f in facts]
+        # each group's wanted outputs, in order, once (`active_segments` asks each round)
+        wanted_out = [f[2] for f in facts]
+
+        def outputs(g: int, stored: set[int]) -> list[int]:
+            return [o for o in wanted_out[g] if o not in stored]
+
+        active, stored = active_segments(inputs_of, has_aux, wanted, outputs)
+        pieces = [self._piece(groups_l[g], tuple(outputs(g, stored))) for g in sorted(active)]
+        pruned = tuple(
+            Segment(k, idxs, inputs, outs, prevent)
+            for k, (_, outs, prevent, idxs, inputs) in enumerate(pieces)
+        )
+        kept = {v.id for seg in pruned for v in seg.inputs}
+        provided = {o.id for seg in pruned for o in seg.outputs}
+        if all(v in kept or v in provided for ws in wanted.values() for v in ws):
+            return pruned
+        return tuple(
+            Segment(k, groups_l[g], piece[0], piece[1], piece[2])
+            for k, (g, piece) in enumerate(zip(sorted(active), pieces))
+        )
+
+    def _group(self, idxs: tuple[int, ...]) -> tuple[dict[int, Var], bool, list[int]]:
+        """A group of recomputed records' facts for `active_segments`, memoised (plans
+        of one tape share most groups): its inputs (id -> Var, in order), whether it
+        derives residuals, and the outputs backward wants of it, in order."""
+        got = self._group_memo.get(idxs)
+        if got is None:
             members = set(idxs)
             inputs: dict[int, Var] = {}
             for i in idxs:
                 for vid, u, p in self.in_vars[i]:
                     if p not in members:
                         inputs.setdefault(vid, u)
-            inputs_of.append(inputs)
-        has_aux = [any(self.derives[i] for i in idxs) for idxs in groups_l]
-        out_ids = self.out_ids
-        empty: set[int] = set()
-        # each group's wanted outputs, in order, once (`active_segments` asks each round)
-        wanted_out = [
-            [o for i in idxs for o in out_ids[i] if o in wanted.get(i, empty)] for idxs in groups_l
-        ]
+            saved_out, out_ids = self._saved_out, self.out_ids
+            wanted_out = [o for i in idxs for o in out_ids[i] if o in saved_out[i]]
+            got = (inputs, any(self.derives[i] for i in idxs), wanted_out)
+            self._group_memo[idxs] = got
+        return got
 
-        def outputs(g: int, stored: set[int]) -> list[int]:
-            return [o for o in wanted_out[g] if o not in stored]
-
-        active, stored = active_segments(inputs_of, has_aux, wanted, outputs)
-
-        var_of = self._var
-        regions = {r.id: r for r in tape.regions}
-        segments: list[Segment] = []
-        for g in sorted(active):
-            idxs = groups_l[g]
-            outs = tuple(var_of(o) for o in outputs(g, stored))
+    def _piece(self, idxs: tuple[int, ...], outs: tuple[int, ...]) -> tuple:
+        """The segment of group ``idxs`` providing ``outs``, memoised: (its inputs, its
+        output Vars, prevent_cse, and the records and inputs `_checkpoint._prune`
+        keeps)."""
+        mkey = (idxs, outs)
+        got = self._piece_memo.get(mkey)
+        if got is None:
+            tape = self.tape
             region = tape.records[idxs[0]].region
-            prevent = regions[region].prevent_cse if region is not None else True
-            segments.append(
-                Segment(len(segments), tuple(idxs), tuple(inputs_of[g].values()), outs, prevent)
-            )
-        pruned = tuple(self._prune(seg) for seg in segments)
-        kept = {v.id for seg in pruned for v in seg.inputs}
-        provided = {o.id for seg in pruned for o in seg.outputs}
-        if all(v in kept or v in provided for ws in wanted.values() for v in ws):
-            return pruned
-        return tuple(segments)
+            prevent = True
+            if region is not None:
+                prevent = next(r for r in tape.regions if r.id == region).prevent_cse
+            out_vars = tuple(self._var(o) for o in outs)
+            inputs = tuple(self._group(idxs)[0].values())
+            kept, kept_in = self._pruned(Segment(0, idxs, inputs, out_vars, prevent))
+            got = self._piece_memo[mkey] = (inputs, out_vars, prevent, kept, kept_in)
+        return got
 
     def _var(self, vid: int) -> Var:
         r = self.tape.records[self.producer[vid]]
         return r.outputs[self.out_ids[r.index].index(vid)]
-
-    def _prune(self, seg: Segment) -> Segment:
-        # What pruning keeps depends on the records and outputs only, and plans of one
-        # tape share most segments: memoised like `segment_cost`.
-        mkey = (seg.records, tuple(o.id for o in seg.outputs))
-        got = self._prune_memo.get(mkey)
-        if got is None:
-            got = self._prune_memo[mkey] = self._pruned(seg)
-        idxs, inputs = got
-        return Segment(seg.id, idxs, inputs, seg.outputs, seg.prevent_cse)
 
     def _pruned(self, seg: Segment) -> tuple[tuple[int, ...], tuple[Var, ...]]:
         """The records `_checkpoint._prune` keeps of ``seg``, and their inputs."""
@@ -299,9 +338,16 @@ class TapeIndex:
     def simulate(
         self, dec: Sequence[str] | None = None, trace: dict | None = None, segs: Any = None
     ) -> tuple[int, float, dict[Any, int]]:
-        """`budget.simulate` of the tape planned with ``dec`` (or with ``segs``)."""
+        """`budget.simulate` of the tape planned with ``dec`` (or with ``segs``); without
+        ``trace`` or ``segs``, memoised like `segments` (the sizes returned are shared:
+        callers must not modify them)."""
         if segs is None:
-            segs = self.segments(dec or ["save"] * self.n)
+            key, segs = self._keyed(dec or ["save"] * self.n)
+            if trace is None:
+                got = self._sim_memo.get(key)
+                if got is None:
+                    got = self._sim_memo[key] = self.simulate(trace=None, segs=segs)
+                return got
         kept, seg_of = self.residual_keys(segs)
         allsize = self.size
         size = {k: allsize[k] for k in kept}
@@ -367,13 +413,18 @@ class TapeIndex:
         nothing reads, say) share one timeline: about half of a joint descent's plans
         (615 distinct timelines of 1,352 on the bench's 58-record U-Net). The `Timeline`
         returned is shared, so callers must not modify it (none does)."""
-        mkey = (
-            prefetch,
-            tuple(
-                (g.records, tuple(v.id for v in g.inputs), tuple(o.id for o in g.outputs))
-                for g in segs
-            ),
-        )
+        known = self._segs_key.get(id(segs))
+        if known is not None and self._segs_memo.get(known) is segs:
+            mkey: tuple = (prefetch, known)  # `segments`' own result, by what it depends on
+        else:
+            mkey = (
+                prefetch,
+                None,
+                tuple(
+                    (g.records, tuple(v.id for v in g.inputs), tuple(o.id for o in g.outputs))
+                    for g in segs
+                ),
+            )
         got = self._tl_memo.get(mkey)
         if got is None:
             got = self._tl_memo[mkey] = self._timeline(segs, prefetch)
@@ -401,29 +452,23 @@ class TapeIndex:
         flops = 0.0
         done: set[int] = set()
 
-        def copy(key: Any) -> None:
-            i = idx.get(key)
-            if i is not None and unpack[i] < 0:
-                unpack[i] = len(fixed)  # present from the next point on
-
-        def drop(key: Any) -> None:
-            nonlocal held
-            remaining[key] -= 1
-            if remaining[key] == 0:
-                held -= extra.pop(key, 0)
-                i = idx.get(key)
-                if i is not None:
-                    release[i] = len(fixed) - 1
-
+        # (`copy`: a kept value is present from the next point on; `drop`: a use ends,
+        # and with the last one the value's bytes go; both inlined, the hot loop)
         order, keys_of, bwd = self.order, self.keys, self._bwd_labels
+        get = idx.get
         for n, r in enumerate(order):
+            pt = len(fixed)
             for nxt in order[n + 1 : n + 1 + prefetch]:
                 for key in keys_of[nxt]:
-                    copy(key)  # a key not kept has no index: a no-op
+                    i = get(key)  # a key not kept has no index: a no-op
+                    if i is not None and unpack[i] < 0:
+                        unpack[i] = pt
             rkeys = keys_of[r]
             for key in rkeys:
                 if key in kept:
-                    copy(key)
+                    i = get(key)  # None: a free value (no index)
+                    if i is not None and unpack[i] < 0:
+                        unpack[i] = len(fixed)
                     continue
                 if key in extra or key not in seg_of:
                     continue
@@ -434,19 +479,34 @@ class TapeIndex:
                 seg = segs[sid]
                 seg_flops, seg_peak = self.segment_cost(seg)
                 flops += seg_flops
+                pt = len(fixed)
                 for v in seg.inputs:
-                    copy(v.id)
+                    i = get(v.id)
+                    if i is not None and unpack[i] < 0:
+                        unpack[i] = pt
                 fixed.append(held + seg_peak)
                 labels.append("recompute")
                 for o in seg.outputs:
-                    extra[o.id] = nbytes(o.id, o)
-                    held += extra[o.id]
+                    extra[o.id] = b = nbytes(o.id, o)
+                    held += b
                 for v in seg.inputs:
-                    drop(v.id)
+                    k = v.id
+                    remaining[k] -= 1
+                    if remaining[k] == 0:
+                        held -= extra.pop(k, 0)
+                        i = get(k)
+                        if i is not None:
+                            release[i] = pt
             fixed.append(held)
             labels.append(bwd[r])
+            pt = len(fixed) - 1
             for key in rkeys:
-                drop(key)
+                remaining[key] -= 1
+                if remaining[key] == 0:
+                    held -= extra.pop(key, 0)
+                    i = get(key)
+                    if i is not None:
+                        release[i] = pt
         last = len(fixed) - 1
         rel = np.array(release, dtype=np.int64)
         unp = np.array(unpack, dtype=np.int64)

@@ -121,6 +121,35 @@ def test_index_timeline_is_the_tapes(name):
             assert all(u is v for u, v in zip(got.vars, ref.vars))
 
 
+@pytest.mark.parametrize("name", ["residual2", "regions", "block", "dag"])
+def test_plans_that_build_the_same_segments_share_their_scores(name):
+    # `TapeIndex` keeps segments, simulate's scores and timelines by the recomputed
+    # records backward needs: a plan that recomputes other records too (nothing reads
+    # them) gets the very same objects, and what comes back from the memo, in any order,
+    # is still the executor's.
+    f, args = _tapes()[name]
+    tape = tg.trace(f, argnums=0)(*args)
+    idx = TapeIndex(tape)
+    plans = _plans(len(tape.records), seed=2)
+    shared = 0
+    for dec in plans + plans[::-1]:
+        needed = idx._needed(dec)
+        lean = ["save" if i not in needed else d for i, d in enumerate(dec)]
+        if lean != dec:
+            shared += 1
+            assert idx.segments(lean) is idx.segments(dec)
+            assert idx.simulate(lean) is idx.simulate(dec)
+            assert idx.timeline(idx.segments(lean), 1) is idx.timeline(idx.segments(dec), 1)
+        planned = dataclasses.replace(tape, segments=build_segments(tape, dec))
+        assert _seg_sig(idx.segments(dec)) == _seg_sig(planned.segments)
+        assert idx.simulate(dec)[:2] == simulate(planned, {})[:2]
+        ref = joint.timeline(planned, 1, {})
+        got = idx.timeline(idx.segments(dec), 1)
+        assert np.array_equal(got.release, ref.release) and np.array_equal(got.unpack, ref.unpack)
+        assert np.array_equal(got.fixed, ref.fixed) and got.keys == ref.keys
+    assert shared > 0  # the point: some plans recompute records nothing needs
+
+
 def test_a_thousand_record_tape_plans_within_a_bounded_search():
     # A 300-layer MLP with residual adds (~900 records): the search simulates a bounded
     # number of plans (work, not wall clock), with the default allow and all four.
