@@ -425,3 +425,39 @@ def least_bytes(tl: Timeline, opts: Options) -> int:
     r = np.arange(len(tl.keys))
     c = _fewest_bytes(opts)
     return int(live_bytes(tl, opts.stored[r, c], opts.copied[r, c]).max()) if tl.points else 0
+
+
+def least_seconds(tl: Timeline, opts: Options, budget: int) -> float:
+    """A lower bound on the seconds any choice of ``opts`` that fits ``budget`` adds
+    (`inf`: none fits). At the point where saving every key is furthest over the
+    budget, the keys held there must free the excess; each frees at most its largest
+    saving at that point, at no fewer seconds per byte than its best option's (a
+    fractional knapsack, so a bound on the greedy's choice and on the exact one).
+
+    Why: a search compares thousands of plans against the best so far; a plan whose
+    recomputation plus this bound already costs more cannot beat it, and needs no
+    completion (`assign_greedy`, the costliest step at tight budgets)."""
+    K = len(tl.keys)
+    if K == 0 or tl.points == 0 or (opts.seconds < 0).any():
+        return 0.0
+    base = opts.stored[:, 0]
+    live = live_bytes(tl, base, np.zeros(K, np.int64))
+    t = int(np.argmax(live))
+    over = int(live[t]) - budget
+    if over <= 0:
+        return 0.0
+    freed = (base[:, None] - opts.stored) - (tl.unpack <= t)[:, None] * opts.copied
+    ok = opts.valid & (tl.release >= t)[:, None] & (freed > 0)
+    rows = np.nonzero(ok.any(axis=1))[0]
+    if rows.size == 0:
+        return float("inf")
+    f = np.where(ok[rows], freed[rows], 0)
+    rate = np.where(ok[rows], opts.seconds[rows] / np.maximum(f, 1), np.inf).min(axis=1)
+    cap = f.max(axis=1)
+    order = np.argsort(rate, kind="stable")
+    rate, cap = rate[order], cap[order]
+    before = np.cumsum(cap) - cap  # bytes freed by the cheaper keys
+    if before[-1] + cap[-1] < over:
+        return float("inf")
+    take = np.clip(over - before, 0, cap)
+    return float((rate * take).sum())

@@ -630,8 +630,15 @@ class Budget:
             if got is None:
                 tl = sc.timeline(dec, prefetch)
                 rec_s = costs.recompute_s(tl.recompute_flops)
-                if beat is not None and beat[0] == 0 and rec_s >= beat[1]:
-                    return ((0, rec_s),)  # recompute alone costs more: no mechanisms
+                if beat is not None and beat[0] == 0:
+                    if rec_s >= beat[1]:
+                        return ((0, rec_s),)  # recompute alone costs more: no mechanisms
+                    opts = joint.options(tl, self.mechanisms, costs, rows)
+                    least = rec_s + joint.least_seconds(tl, opts, self.bytes)
+                    if least >= beat[1]:
+                        # no mechanisms can make it faster (over half the plans a
+                        # descent tries on the bench's 230-256-record tapes)
+                        return ((0, least),)
                 opts, choice, total = self._greedy(tl, rec_s, costs, rows, greedy)
                 if total is None:
                     key = (1, float(joint.least_bytes(tl, opts) - self.bytes))
@@ -724,6 +731,12 @@ class Budget:
                 got = ((1, float(over)), rec_s, tl, opts, None)
             elif beat is not None and beat[0] == 0 and rec_s >= beat[1]:
                 return ((0, rec_s), rec_s, tl, opts, None)  # not stored: a bound only
+            elif (
+                beat is not None
+                and beat[0] == 0
+                and (least := rec_s + joint.least_seconds(tl, opts, self.bytes)) >= beat[1]
+            ):
+                return ((0, least), rec_s, tl, opts, None)  # likewise
             else:
                 choice = ilp(tl, opts, self.bytes)
                 if choice is None:  # HiGHS found none within its work limit
@@ -951,15 +964,17 @@ def _descend_flops(sc: Any) -> None:
 
 
 # The joint descent (`Budget._descend`): record-evaluations it may spend (one
-# evaluation of an n-record plan, timeline and greedy mechanisms, costs n; ~4-5 µs
-# per record on a 2-core CPU), on tapes of up to how many records; then as many again
-# for the kicks of the iterated search (`_planner_search.iterate_joint`). On tapes of
-# 150-270 records the descents stop at this limit, not at a local optimum: 240,000
-# (was 80,000) gives faster plans on 18 of `bench/ilp_bench.py`'s 60 cells without
-# highspy and 14 with it (up to -22%), none slower (`bench/RESULTS.md`, session 16).
-JOINT_WORK = 240_000
+# evaluation of an n-record plan, timeline and greedy mechanisms, costs n; ~2-3 µs
+# per record on a 2-core CPU, less where `least_seconds` spares the mechanisms), on
+# tapes of up to how many records; then as many again for the kicks of the iterated
+# search (`_planner_search.iterate_joint`). On tapes of 150-270 records the descents
+# stop at this limit, not at a local optimum: 240,000 (session 16; was 80,000) gave
+# faster plans on 18 of `bench/ilp_bench.py`'s 60 cells without highspy and 14 with
+# it; 480,000 (session 17, once evaluations cost less) on 15 more without and 9 with
+# (up to -24%), none slower (`bench/RESULTS.md`).
+JOINT_WORK = 480_000
 JOINT_RECORDS = 320
-JOINT_KICK_WORK = 240_000
+JOINT_KICK_WORK = 480_000
 # The exact-mechanism descent (`Budget._descend_exact`, with highspy): record-evaluations,
 # each an exact mechanism program (~2-30 ms on 46-90 records), on tapes of up to
 # `EXACT_RECORDS` records: above, its share is a few dozen plans, not one sweep, and
