@@ -273,8 +273,10 @@ def assign_greedy(
     spent = np.zeros(K, np.float64)
     live = live_bytes(tl, stored, copied)
     rel, unp = tl.release, tl.unpack
-    # changes from the current option: bytes stored, bytes copied, seconds
+    # changes from the current option: bytes stored, bytes copied, seconds (and where
+    # they add time, the seconds floored away from 0, for the score below)
     dS, dC, dT = S - stored[:, None], C.copy(), sec.copy()
+    adds, per = dT > 0, np.maximum(dT, 1e-30)
 
     def apply(k: int, c: int) -> None:
         ds, dc = S[k, c] - stored[k], C[k, c] - copied[k]
@@ -282,8 +284,10 @@ def assign_greedy(
         live[unp[k] : rel[k] + 1] += dc
         stored[k], copied[k], spent[k] = S[k, c], C[k, c], sec[k, c]
         dS[k], dC[k], dT[k] = S[k] - stored[k], C[k] - copied[k], sec[k] - spent[k]
+        adds[k], per[k] = dT[k] > 0, np.maximum(dT[k], 1e-30)
         pick[k] = c
 
+    M = S.shape[1]
     for _ in range(4 * K + 4):
         t = int(np.argmax(live))
         over = int(live[t]) - budget
@@ -291,16 +295,18 @@ def assign_greedy(
             break
         delta = dS + (unp <= t)[:, None] * dC
         ok = valid & (rel >= t)[:, None] & (delta < 0)
-        if not ok.any():
-            break
         # freed bytes per second added (a change that also saves time: first); bytes
-        # beyond the excess at this point count for nothing here
+        # beyond the excess at this point count for nothing here. Where ``ok`` the
+        # score is positive, so a best score below 0 means no change frees anything.
         freed = np.minimum(-delta, over)
-        score = np.where(dT > 0, freed / np.maximum(dT, 1e-30), np.inf)
-        score = np.where(ok, score, -1.0)
-        cand = np.nonzero(score == score.max())
-        j = int(np.argmax(-delta[cand]))  # ties: the one freeing the most
-        apply(int(cand[0][j]), int(cand[1][j]))
+        score = np.where(ok, np.where(adds, freed / per, np.inf), -1.0).ravel()
+        top = int(np.argmax(score))
+        if score[top] < 0:
+            break
+        tied = np.flatnonzero(score == score[top])
+        if len(tied) > 1:  # ties: the one freeing the most (the first, row-major)
+            top = int(tied[np.argmax(-delta.ravel()[tied])])
+        apply(top // M, top % M)
     if live.max() > budget:
         # The steps above can trade bytes at one point for bytes at another and stall;
         # start instead from every key at its fewest bytes (`least_bytes`'s plan), which
