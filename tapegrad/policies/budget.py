@@ -964,8 +964,8 @@ def _descend_flops(sc: Any) -> None:
 
 
 # The joint descent (`Budget._descend`): record-evaluations it may spend (one
-# evaluation of an n-record plan, timeline and greedy mechanisms, costs n; ~2-3 µs
-# per record on a 2-core CPU, less where `least_seconds` spares the mechanisms), on
+# evaluation of an n-record plan, timeline and greedy mechanisms, costs n; 1.5-4.5 µs
+# per record on a busy 2-core CPU, least where `least_seconds` spares the mechanisms), on
 # tapes of up to how many records; then as many again for the kicks of the iterated
 # search (`_planner_search.iterate_joint`). On tapes of 150-270 records the descents
 # stop at this limit, not at a local optimum: 240,000 (session 16; was 80,000) gave
