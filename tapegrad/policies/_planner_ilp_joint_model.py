@@ -74,13 +74,29 @@ backward order; `_planner_joint.timeline`'s record points):
   run row otherwise: a residual of ``a``, or a value a later re-runnable reader
   ``r > q`` reads; and for ``a ≠ q`` within ``INPUT_DEPTH`` that read a value. Rows,
   per simple path ``a = p_0, ..., p_k = q`` of neighbours (``MEMBER_PATHS`` of them at
-  most): ``s[a, q] ≥ Σ_i x[p_i] − k``.
+  most): ``s[a, q] ≥ Σ_i x[p_i] − k``;
+* ``m[q]`` in ``[0, most_q]``, for a re-runnable ``q`` (``most_q``: the residual
+  bytes of the re-runnable records before ``q`` in its connected component of
+  re-runnable neighbours, > 0): a lower limit on the residual bytes of the members of
+  ``q``'s segment before ``q``. Rows, for re-runnable neighbours ``p < q`` (``res_p``:
+  the bytes of ``p``'s residuals, ``m[p] = 0`` where it has no column): ``m[q] ≥
+  m[p] + res_p − (most_p + res_p)·(2 − x[p] − x[q])``. One more run row per ``(t, q)``
+  with a modelled ``Δ[q, t]``, for a ``q`` with a re-runnable record before it with
+  residuals more than ``MEMBER_DEPTH`` neighbours away (nearer ones ``s`` counts):
+  ``base[t]`` less the terms of ``q``'s inputs, ``+
+  Δ[q, t]·(bytes of q's outputs and inputs) + m[q] − most_q·(1 − Δ[q, t])``, less
+  ``full_v·x[p]`` for each input ``v`` of ``q`` that is a residual of a re-runnable
+  ``p``;
+* pruning: a re-runnable record ``i`` none of whose outputs is a residual key:
+  ``x[i] ≤ Σ x[q]`` over the records that may re-run reading its outputs (the bound's
+  model only, with ``r``; `Budget`'s decoding does not have these rows nor ``m``).
 
 Why every plan the executor runs is feasible here, at the same cost and no more bytes
 (tapes without checkpoint regions or loop records: `build` returns None on others):
 set ``x`` = the records of its segments, ``y`` = its kept keys (`Tape.residual_keys`)
 with their mechanisms, ``z[i, t]`` and ``r[i, t]`` = [``i``'s segment has run by ``t``],
-``h``, ``g`` and ``c`` at their lower limits.
+``h``, ``g`` and ``c`` at their lower limits, ``m[q]`` = the residual bytes of the
+members of ``q``'s segment before ``q`` (0 if ``q`` is in none).
 
 1. Logic. Without regions, the records a re-run record reads from, if re-run, are in
    its connected component, so in its segment (pruning keeps ancestors of outputs);
@@ -100,7 +116,13 @@ with their mechanisms, ``z[i, t]`` and ``r[i, t]`` = [``i``'s segment has run by
    leaves ``B`` through some ``j ∈ ∂B ∩ C``, whose ``z[j, t]`` (or ``x[j]`` ``≥`` it)
    is 1. ``r``: if ``R(a, t) = 1``, ``a``'s segment has run by ``t`` (so ``a`` is
    re-run); ``p``, re-run (``x[p] = 1``) and adjacent to ``a``, is in that segment, so
-   ``R(p, t) = 1``.
+   ``R(p, t) = 1``. Pruning: a record of a segment is needed (`build_segments`: it
+   provides a residual, or a needed record reads it), so one with no residual has a
+   re-run reader (``x[q] = 1``). ``m``: at most ``most_q`` (the members before ``q``
+   are re-runnable records of ``q``'s component); if ``x[p] = x[q] = 1`` the two
+   neighbours are in one segment, whose members before ``p``, and ``p``, are members
+   before ``q``: ``m[q] ≥ m[p] + res_p``; otherwise the right side is ``≤ m[p] −
+   most_p ≤ 0``.
 2. Cost. Segments are disjoint and each runs once: `simulate`'s flops are
    ``Σ_{i in a segment} flops_i``. Mechanism seconds are per kept key (`options` is
    computed here from the same shapes): equal. ``z`` and ``h`` cost nothing.
@@ -166,6 +188,14 @@ with their mechanisms, ``z[i, t]`` and ``r[i, t]`` = [``i``'s segment has run by
    ``u``'s terms of ``base[t]`` (``h``, ``c``, ``g`` and the rest are parts of those
    bytes), and ``u`` is none of ``q``'s inputs, outputs or members' values (those are
    made in the segment, so not kept). Otherwise the term is ``≤ 0``.
+   The ``m`` row: if ``q``'s segment runs at ``t``, at ``q``'s step `segment_peak`
+   holds every segment output made so far (kept to the end), so the residuals of
+   every member ``a < q`` (``m[q]`` of them; none in ``base[t]``: ``R(a, t − 1) = 0``,
+   and ``h``, ``c``, ``g`` count kept values only, held through the run), and
+   ``q``'s inputs and outputs as in the first row; an input ``v`` of ``q`` that is a
+   residual of a re-run ``p`` (``x[p] = 1``: a member before ``q``, in ``m[q]``) is
+   counted once, less ``full_v·x[p]``. If ``q`` does not run at ``t`` the added terms
+   are ``≤ 0`` (``m[q] ≤ most_q``): the row is ``≤ base[t]``.
    The row over every record switching at ``t``: at the last run at ``t`` the
    segments run before it at ``t`` hold their outputs (first used at ``t`` or later:
    no record's backward has run since), the last one holds all of its own at its last
@@ -175,16 +205,26 @@ with their mechanisms, ``z[i, t]`` and ``r[i, t]`` = [``i``'s segment has run by
 So the ILP's optimum ≤ the least predicted time of any executor plan within the
 budget, and ``tests/policies/test_planner_ilp_joint.py`` checks the steps on random
 plans (`Model.at_plan`): the logic rows hold, the objective equals, each point's and
-each run row's modelled bytes are ≤ the executor's there. Where it is still loose: a
-segment may run earlier than its first need when a re-run record needed by then is
+each run row's modelled bytes are ≤ the executor's there. What the pruning rows and
+``m`` closed, on U-Nets: without pruning a record with no residual and no re-run
+reader (a broadcast, no flops) could be "re-run" at no cost, and its need (its
+readers' latest) supported an early run of its neighbours' segment: on the 58-record
+U-Net at 70% (25,216 bytes, copies one record ahead) the relaxation's optimum ran a
+3-record segment at the run of another one, 4 points before its need, so its kept
+input (1 KiB) was counted at neither run, 0.584 µs (the best plan known, 0.717, is now
+the bound); without ``m`` a run row saw the residuals of members within
+``MEMBER_DEPTH`` neighbours only: on the 22-record U-Net at 41% (1,689 bytes) the
+relaxation's optimum re-ran a 7-record chain whose last step holds a residual (512
+bytes) 5 neighbours back, 0.543 µs (now 0.640, the optimum). Where it is still loose:
+a segment may run earlier than its first need when a re-run record needed by then is
 next to a set of records needed later (the support rows do not ask for a re-run path
-to it; on a 58-record U-Net at 70% the relaxation's optimum runs a 3-record segment 4
-points early, 1 KiB less held at that run than the executor's plan); runs more than
+to it); runs more than
 ``WINDOW`` points before a need are seen only through ``r`` (no run row there, nor at
 a window's first point); two segments running at one point see each other's
 residuals only at the last run's end (not at their members' steps); a run row sees
-one record's step (its inputs, outputs, its parents' residuals, and the values of
-members within ``MEMBER_DEPTH`` neighbours, the kept inputs of one member within
+one record's step (its inputs, outputs, the residuals of members before it along
+chains of re-run neighbours ``p < q``, the values later members read of members within
+``MEMBER_DEPTH`` neighbours, the kept inputs of one member within
 ``INPUT_DEPTH``, not the segment's other kept inputs: on the 69-record random DAG at
 37% the relaxation's optimum runs a 4-record segment whose first member's kept inputs,
 1 KiB, are held at its last member's step, 3 neighbours away; ``INPUT_DEPTH = 3``
@@ -215,6 +255,8 @@ SUPPORT_LAYERS = 3  # support rows per run column: balls of radius 0..3, then th
 MEMBER_DEPTH = 3  # run rows count the segment's members up to this many neighbours away
 MEMBER_PATHS = 4  # paths (rows of s) per pair of records
 INPUT_DEPTH = 1  # run rows count the inputs of members up to this many neighbours away
+PRUNED = True  # rows: a re-run record without residuals has a re-run reader
+PREFIX = True  # run rows count every member's residuals before q (m[q], chains of members)
 
 
 @dataclasses.dataclass
@@ -247,6 +289,8 @@ class Model:
     one: int = -1  # a column fixed to 1 (the run rows' constants), -1: none
     pairs: list = dataclasses.field(default_factory=list)  # (s column, a, q): one segment
     held: np.ndarray | None = None  # (keys, mechanisms): bytes an h counts (None: stored)
+    prefix: dict = dataclasses.field(default_factory=dict)  # q -> column of m[q]
+    resid: dict = dataclasses.field(default_factory=dict)  # record -> its residuals' bytes
 
     @property
     def columns(self) -> int:
@@ -303,6 +347,10 @@ class Model:
         seg_id = {i: seg.id for seg in tape.segments for i in seg.records}
         for sc, a, q in self.pairs:
             z[sc] = float(a in seg_id and seg_id.get(q) == seg_id[a])
+        for seg in tape.segments:  # m[q]: its segment's members before q
+            for q in seg.records:
+                if q in self.prefix:
+                    z[self.prefix[q]] = sum(self.resid.get(a, 0) for a in seg.records if a < q)
         b0 = self.columns - len(self.base) + 1
         z[b0:] = self.base[1:] @ z
         return z
@@ -582,6 +630,34 @@ def build(
                     pairs[(src, q)] = col
                     paths[(src, q)] = found[src]
                     col += 1
+    # m[q]: a lower limit on the residual bytes of q's segment's members before q (all
+    # held at q's step of the run), along chains of re-run neighbours p < q
+    res = {
+        i: sum(device_nbytes(o) for o in recs[i].outputs if o.id in first)
+        for i in range(n)
+        if can_rerun[i]
+    }
+    most: dict[int, int] = {}  # q -> the most m[q] can be (its component's members < q)
+    prefix: dict[int, int] = {}  # q -> column of m[q]
+    if early_runs and PREFIX:
+        comp: dict[int, int] = {}
+        for i in sorted(adj):
+            if i in comp:
+                continue
+            comp[i], todo = i, [i]
+            while todo:
+                for j in adj.get(todo.pop(), ()):
+                    if j not in comp:
+                        comp[j] = i
+                        todo.append(j)
+        acc: dict[int, int] = {}
+        for i in sorted(comp):
+            most[i] = acc.get(comp[i], 0)
+            acc[comp[i]] = most[i] + res.get(i, 0)
+        for q in sorted(most):
+            if most[q] > 0:
+                prefix[q] = col
+                col += 1
     b0 = col - 1  # b[t], t = 1..T-1: bytes a segment run at t finds held (base[t])
     ncol = col + T - 1
     cost = np.zeros(ncol)
@@ -610,6 +686,9 @@ def build(
         integer[one] = False
     for sc in pairs.values():
         integer[sc] = False
+    for q, mc in prefix.items():
+        upper[mc] = float(most[q])
+        integer[mc] = False
     ycol_of: list[list[int]] = [[] for _ in range(K)]
     for j, (k, _) in enumerate(ycols):
         ycol_of[k].append(n + j)
@@ -633,6 +712,13 @@ def build(
             row(ys + [p], [1.0] * (len(ys) + 1), 0.0, 1.0)
             for q in readers.get(key, []):
                 row(ys + [p, q], [1.0] * (len(ys) + 1) + [-1.0], 0.0, np.inf)
+    # a re-run record with no residual of its own is in a segment only for a re-run
+    # reader (pruning): x[i] <= Σ x[q] over the records that may re-run reading it
+    owners = {int(p) for p in kprod[[k in first for k in keys]]} if K else set()
+    for i in range(n) if PRUNED and early_runs else ():
+        if can_rerun[i] and i not in owners:
+            qs = sorted({q for o in recs[i].outputs for q in readers.get(o.id, [])})
+            row([i] + qs, [1.0] + [-1.0] * len(qs), -np.inf, 0.0)
     # runs: monotone, by the need, and a segment's records (adjacent re-run records)
     # run at the same point
     for i, (start, f, c) in win.items():
@@ -842,6 +928,40 @@ def build(
                 terms[one] = terms.get(one, 0.0) - vb * (1 if reader is None else 2)
             cols = np.array([zc for zc, a in terms.items() if a != 0.0], np.int64)
             runs.append((t, cols, np.array([terms[zc] for zc in cols])))
+    # m[q] >= m[p] + res_p - (most_p + res_p)·(2 - x[p] - x[q]) for re-run neighbours
+    # p < q (one segment: its members before p, and p, are members before q)
+    for q, mc in prefix.items():
+        for p in sorted(adj.get(q, ())):
+            big = most.get(p, 0) + res.get(p, 0)
+            if p > q or big <= 0:
+                continue
+            cs, co = [mc, p, q], [1.0, -float(big), -float(big)]
+            if p in prefix:
+                cs, co = cs + [prefix[p]], co + [-1.0]
+            row(cs, co, float(res.get(p, 0) - 2 * big), np.inf)
+    # Per (t, q): q's step of its segment run at t, with m[q]: base[t] less q's inputs,
+    # plus q's inputs and outputs, plus m[q] - most_q·(1 - Δ[q, t]), less full_v·x[p]
+    # for an input v of q that is a residual of a re-run p (counted in m[q] then)
+    for q, mc in prefix.items():
+        if q not in win or not _far_member(q, adj, res):
+            continue  # (every member with residuals is within MEMBER_DEPTH: s counts it)
+        ins = {v.id for v in recs[q].inputs if isinstance(v, Var) and v.id in kidx}
+        own = sum(device_nbytes(o) for o in recs[q].outputs) + sum(int(full[kidx[v]]) for v in ins)
+        for t in range(1, T):
+            dq = switch(q, t)
+            if not dq:
+                continue
+            terms = {b0 + t: 1.0, mc: 1.0, one: -float(most[q])}
+            for vid in ins:
+                for zc, vec in kterm[kidx[vid]].items():
+                    terms[zc] = terms.get(zc, 0.0) - vec[t]
+                p = producer[vid]
+                if vid in first and can_rerun[p]:
+                    terms[p] = terms.get(p, 0.0) - float(full[kidx[vid]])
+            for zc, sign in dq:
+                terms[zc] = terms.get(zc, 0.0) + sign * (own + most[q])
+            cols = np.array([zc for zc, a in terms.items() if a != 0.0], np.int64)
+            runs.append((t, cols, np.array([terms[zc] for zc in cols])))
     # The last run at t: base[t] and the residuals of every segment run at t (the
     # earlier ones' held, the last one's at its end)
     if one >= 0:
@@ -858,8 +978,22 @@ def build(
     return Model(
         n, keys, kprod, opts, ycols, win, holds, claims, order, cost, upper, integer, rows, mem,
         base, runs, int(budget), early, before, shadows, one,
-        [(sc, a, q) for (a, q), sc in pairs.items()], hbytes,
+        [(sc, a, q) for (a, q), sc in pairs.items()], hbytes, prefix, res,
     )  # fmt: skip
+
+
+def _far_member(q: int, adj: dict, res: dict) -> bool:
+    """Whether a re-runnable record before ``q`` with residuals is more than
+    ``MEMBER_DEPTH`` re-runnable neighbours away from ``q`` (or only that far)."""
+    depth = {q: 0}
+    todo = [q]
+    while todo:
+        a = todo.pop(0)
+        for j in adj.get(a, ()):
+            if j not in depth:
+                depth[j] = depth[a] + 1
+                todo.append(j)
+    return any(a < q and res.get(a, 0) > 0 and d > MEMBER_DEPTH for a, d in depth.items())
 
 
 def _flops(rec: Any) -> float:
