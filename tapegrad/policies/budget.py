@@ -575,18 +575,21 @@ class Budget:
         costs: Any,
         rows: dict | None = None,
         memo: dict[int, Any] | None = None,
+        opts: Any = None,
     ) -> tuple[Any, Any, float | None]:
         """A plan's timeline completed with the greedy mechanisms: (the options, the
         choice or None where nothing fits the budget, the predicted step time or None).
         ``memo`` (optional, for one planning call: the same budget, mechanisms and
         costs) keeps each completion by its timeline, which `TapeIndex.timeline`
         shares between plans with the same segments; it holds the timeline, so the
-        ``id`` it is kept by is never reused while it is there."""
+        ``id`` it is kept by is never reused while it is there. ``opts``: the options,
+        where the caller has them already."""
         from tapegrad.policies import _planner_joint as joint
 
         got = memo.get(id(tl)) if memo is not None else None
         if got is None:
-            opts = joint.options(tl, self.mechanisms, costs, rows)
+            if opts is None:
+                opts = joint.options(tl, self.mechanisms, costs, rows)
             choice = joint.assign_greedy(tl, opts, self.bytes)
             secs = joint.evaluate(tl, opts, choice)[1] if choice is not None else None
             got = (tl, opts, choice, secs)
@@ -630,6 +633,7 @@ class Budget:
             if got is None:
                 tl = sc.timeline(dec, prefetch)
                 rec_s = costs.recompute_s(tl.recompute_flops)
+                opts = None
                 if beat is not None and beat[0] == 0:
                     if rec_s >= beat[1]:
                         return ((0, rec_s),)  # recompute alone costs more: no mechanisms
@@ -642,7 +646,7 @@ class Budget:
                         # counts as an evaluation: the search's course can differ from
                         # completing every plan (2 of the bench's 60 cells, <= 0.07%).
                         return ((0, least),)
-                opts, choice, total = self._greedy(tl, rec_s, costs, rows, greedy)
+                opts, choice, total = self._greedy(tl, rec_s, costs, rows, greedy, opts)
                 if total is None:
                     key = (1, float(joint.least_bytes(tl, opts) - self.bytes))
                 else:
@@ -973,7 +977,7 @@ def _descend_flops(sc: Any) -> None:
 # search (`_planner_search.iterate_joint`). On tapes of 150-270 records the descents
 # stop at this limit, not at a local optimum: 240,000 (session 16; was 80,000) gave
 # faster plans on 18 of `bench/ilp_bench.py`'s 60 cells without highspy and 14 with
-# it; 480,000 (session 17, once evaluations cost less) on 15 more without and 9 with
+# it; 480,000 (session 17, once evaluations cost less) on 14 more without and 9 with
 # (up to -24%), none slower (`bench/RESULTS.md`).
 JOINT_WORK = 480_000
 JOINT_RECORDS = 320
