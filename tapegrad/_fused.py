@@ -55,9 +55,11 @@ _PLAIN = (str, type(None))
 # Placement params of a nested jit inside a sub-jaxpr (a custom_jvp call's body): jax
 # hashes and compares these by value.
 # PRNGImpl: a random_wrap's key implementation (a named tuple of module functions and
-# names, hashed by them, as jax's own jit cache keys it)
+# names, hashed by them, as jax's own jit cache keys it). FT*: jax 0.11's FlatTree, a
+# scan's operand groups (``ft_in``/``ft_out``; its leaves are None), compared by value.
 _JAX_VALUES = frozenset(
     {"UnspecifiedValue", "Mesh", "AbstractMesh", "NamedSharding", "PartitionSpec", "PRNGImpl"}
+    | {"FTTuple", "FTPyTree", "FTSingleton", "FTDict"}
 )
 _NUMBERS = (int, bool)
 

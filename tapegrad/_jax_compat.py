@@ -79,6 +79,24 @@ def hi_primitive_name(params: dict) -> str | None:
     return getattr(prim, "name", None)
 
 
+def eqn_params(name: str, params: Any) -> Any:
+    """An equation's params as the tape keeps them. jax 0.11's scan groups its operands
+    in a FlatTree (``ft_in``: consts, carries, xs) where jax 0.10 counted them; its
+    records get jax 0.10's ``num_consts`` and ``num_carry`` as well, so every reader
+    of a scan record works under both. `bind_params` drops them again."""
+    if name != "scan" or "ft_in" not in params:
+        return params
+    consts, carry, _ = params["ft_in"].unpack()
+    return {**params, "num_consts": len(consts), "num_carry": len(carry)}
+
+
+def bind_params(prim: Any, params: Any) -> Any:
+    """The params to bind ``prim`` with: jax's own, without what `eqn_params` added."""
+    if "ft_in" in params:
+        params = {k: v for k, v in params.items() if k not in ("num_consts", "num_carry")}
+    return prim.get_bind_params(params)
+
+
 def remat_parts(name: str, params: dict):
     """``(body ClosedJaxpr, jax policy, prevent_cse)`` of a checkpoint equation, else None.
 
@@ -146,11 +164,18 @@ def custom_vjp_forward(params: dict, args: list, active: list[bool]):
 def custom_vjp_backward(params: dict, res: list, cts: list) -> list:
     """Call a ``custom_vjp_call``'s user backward; symbolic zeros become None."""
     out = params["bwd"].call_wrapped(*res, *cts)
+    if _BWD_WITH_LOGS:  # jax >= 0.11: the flat backward returns (cotangents, logs)
+        out, _ = out
     # A Python or numpy scalar is a cotangent (``g * n`` with an int ``n``), as in jax.
     return [
         (jax.numpy.asarray(c) if isinstance(c, SCALARS) else c) if _is_array_like(c) else None
         for c in out
     ]
+
+
+# jax 0.11 added ``defvjp_with_logs``; from then on a custom_vjp's flattened backward
+# returns ``(cotangents, logs)`` rather than the cotangents alone.
+_BWD_WITH_LOGS = hasattr(jax.custom_vjp, "defvjp_with_logs")
 
 
 def custom_vjp_residual_avals(params: dict, active: list[bool]) -> tuple[list, Any]:

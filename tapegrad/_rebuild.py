@@ -58,6 +58,7 @@ _REBUILDABLE = frozenset(
         "expand_dims",
         "transpose",
         "slice",
+        "unstack",  # jax 0.11 splits ``k1, k2 = split(key)`` with it (0.10: slice, squeeze)
         "concatenate",
         # iota: one-hot labels (``y[:, None] == iota``) and index arithmetic (labels
         # made into gather indices) are rebuilt too

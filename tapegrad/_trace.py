@@ -31,7 +31,7 @@ from tapegrad._record import is_concrete, record_jaxpr
 from tapegrad._tape import Lit, Record, Region, Saved, Tape, Var, as_dtype
 from tapegrad.errors import ReverseModeError
 from tapegrad.rules import FALLBACK, NONDIFF, WHILE_ERROR, lookup
-from tapegrad.rules.custom_jvp import ClosesOverTracer, expand_custom_jvp
+from tapegrad.rules.custom_jvp import ClosesOverTracer, call_name, expand_custom_jvp
 
 __all__ = ["trace_flat", "is_differentiable_dtype"]
 
@@ -153,7 +153,8 @@ class _Builder:
                 env[v] = o
             if same is not None:
                 self.computed[same] = list(outs)
-            self.raws.append(_Raw(eqn.primitive, name, eqn.params, ins, outs, src, region, names))
+            params = compat.eqn_params(name, eqn.params)
+            self.raws.append(_Raw(eqn.primitive, name, params, ins, outs, src, region, names))
         return [read(v) for v in jaxpr.outvars]
 
 
@@ -483,7 +484,7 @@ def _build(
         # A read-only view, not a copy: jax never mutates an equation's params, and
         # get_bind_params returns them as they are for plain primitives (call-like ones copy).
         params = MappingProxyType(raw.params)
-        bind_params = raw.prim.get_bind_params(raw.params)
+        bind_params = compat.bind_params(raw.prim, raw.params)
         ins, outs_k = tuple(raw.inputs), tuple(raw.outputs)
         if not in_bwd[k]:
             records.append(
@@ -502,10 +503,13 @@ def _build(
             )
             continue
         act_in = tuple(type(i) is Var and i.id in active and i.id in useful for i in ins)
-        if raw.name == "custom_jvp_rule":
-            nc = raw.params["rule"].call_params["num_consts"]
-            if any(act_in[:nc]):  # the rule gives no tangent for what it closes over
-                err = ClosesOverTracer(raw.params["name"])
+        if raw.name in ("custom_jvp_rule", "custom_jvp_call"):
+            # The rule gives no tangent for what it closes over (jax 0.11 passes such a
+            # value to the call as a leading operand; jax.grad raises there too).
+            is_rule = raw.name == "custom_jvp_rule"
+            nc = (raw.params["rule"].call_params if is_rule else raw.params)["num_consts"]
+            if any(act_in[:nc]):
+                err = ClosesOverTracer(raw.params["name"] if is_rule else call_name(raw.params))
                 raise ReverseModeError(f"{_closure_message(err)} ({frame_str(raw.source_info)})")
         if raw.name in STRUCTURED:
             records.append(_structured_record(k, raw, act_in, body_act[k], active, useful))
@@ -654,7 +658,7 @@ def _structured_record(k, raw: _Raw, act_in, body_act, active, useful) -> Record
         names=raw.names,
         prim=raw.prim,
         source_info=raw.source_info,
-        bind_params=raw.prim.get_bind_params(raw.params),
+        bind_params=compat.bind_params(raw.prim, raw.params),
         bodies=bodies,
     )
     return dataclasses.replace(rec, saves=outer_saves(rec))

@@ -221,6 +221,20 @@ def tanh_mlp(ws, x):
     return jnp.mean(x**2)
 
 
+# The memory kinds the default device addresses (a GPU has no ``unpinned_host``).
+MEMORY_KINDS = frozenset(m.kind for m in jax.devices()[0].addressable_memories())
+
+
+def exact_on_cpu(a, b) -> None:
+    """``a == b`` bit for bit on a CPU. On a GPU two programs computing the same values
+    (the per-record path and one compiled call, say) may round differently (other
+    kernels, other fusions), so there within a few ulps."""
+    if jax.default_backend() == "cpu":
+        chex.assert_trees_all_equal(a, b)
+    else:
+        chex.assert_trees_all_close(a, b, rtol=1e-5, atol=1e-8)
+
+
 def live_bytes_by_kind() -> dict[str, int]:
     """Bytes of every live jax array, by memory kind (``device``, ``pinned_host``, ...),
     after a garbage collection: what a test compares memory reports against."""

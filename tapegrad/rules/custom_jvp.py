@@ -144,7 +144,7 @@ class Expansion:
         )
 
 
-def _name_of(params) -> str:
+def call_name(params) -> str:
     debug = getattr(params["call_jaxpr"].jaxpr, "debug_info", None)
     return getattr(debug, "func_name", None) or "<custom_jvp>"
 
@@ -170,14 +170,14 @@ def expand_custom_jvp(params, in_avals: Sequence[Any], source_info: Any = None):
     try:
         jaxpr, consts, out_zeros = compat.custom_jvp_jaxpr(dict(params), [not d for d in diff])
     except jax.errors.UnexpectedTracerError as e:
-        raise ClosesOverTracer(_name_of(params)) from e
+        raise ClosesOverTracer(call_name(params)) from e
     except Exception:
         # The rule fails to trace. jax would raise when differentiating; so does the
         # generic rule, in backward, with jax's message.
         return None
     tracers = [c for c in consts if isinstance(c, jax.core.Tracer)]
     if any(not compat.trace_is_alive(c) for c in tracers):
-        raise ClosesOverTracer(_name_of(params))  # of the function's own, finished trace
+        raise ClosesOverTracer(call_name(params))  # of the function's own, finished trace
     if jaxpr.effects or tracers:
         # The rule closes over a value of an enclosing trace (an outer jit), alive while
         # backward runs inside it: the generic rule re-binds the call there.
@@ -193,7 +193,7 @@ def expand_custom_jvp(params, in_avals: Sequence[Any], source_info: Any = None):
         invars,
         outvars,
         custom_jvp_rule_p,
-        {"name": _name_of(params), "rule": exp},
+        {"name": call_name(params), "rule": exp},
         frozenset(),
         source_info,
     )

@@ -12,7 +12,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import live_bytes_by_kind
+from conftest import MEMORY_KINDS, live_bytes_by_kind
 
 import tapegrad as tg
 from tapegrad import policies as P
@@ -56,7 +56,6 @@ def _is_dot(rec):
 POLICIES = {
     "save": (P.save(), 1.0),
     "offload": (P.offload(), 1.0),  # device: 0; host: save()'s activations
-    "offload-unpinned": (P.offload("unpinned_host"), 1.0),
     "bf16": (P.compress(jnp.bfloat16), 0.5),
     "f16": (P.compress(jnp.float16), 0.5),
     "f8": (P.compress(jnp.float8_e4m3fn), 0.25),
@@ -72,6 +71,8 @@ POLICIES = {
     "scan_checkpoint": (P.scan_checkpoint(), 1.0),
     "custom": (CopyAll(), 1.0),
 }
+if "unpinned_host" in MEMORY_KINDS:  # not a memory kind of a GPU
+    POLICIES["offload-unpinned"] = (P.offload("unpinned_host"), 1.0)
 
 
 def held_beyond_inputs(f, args, policy) -> int:

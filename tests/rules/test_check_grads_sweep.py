@@ -563,6 +563,21 @@ _FAST_COMPILE = {
     "xla_llvm_disable_expensive_passes": True,
     "xla_cpu_use_fusion_emitters": False,
 }
+
+
+def _supported(options: dict) -> dict:
+    """The options this XLA accepts (newer ones dropped ``xla_cpu_use_fusion_emitters``)."""
+    keep = {}
+    for k, v in options.items():
+        try:
+            jax.jit(lambda x: x + 1, compiler_options={k: v}).lower(1.0).compile()
+        except Exception:
+            continue
+        keep[k] = v
+    return keep
+
+
+_FAST_COMPILE = _supported(_FAST_COMPILE)
 _CHUNK = 16  # cases per compiled program: compile time grows faster than linearly
 # jax.vjp of tapegrad's order-2 function as well (jax.grad of tg.grad) for these rules
 # and the special points; the others check tg of tg.
