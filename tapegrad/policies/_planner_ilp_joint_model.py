@@ -965,13 +965,14 @@ def build(
     # The last run at t: base[t] and the residuals of every segment run at t (the
     # earlier ones' held, the last one's at its end)
     if one >= 0:
-        res = {i: sum(device_nbytes(o) for o in recs[i].outputs if o.id in first) for i in win}
+        # (every record of the window, re-run or not: ``res`` above has the re-run ones)
+        win_res = {i: sum(device_nbytes(o) for o in recs[i].outputs if o.id in first) for i in win}
         for t in range(1, T):
             terms = {b0 + t: 1.0}
-            movers = [i for i in win if res[i] and switch(i, t)]
+            movers = [i for i in win if win_res[i] and switch(i, t)]
             for i in movers:
                 for zc, sign in switch(i, t):
-                    terms[zc] = terms.get(zc, 0.0) + sign * res[i]
+                    terms[zc] = terms.get(zc, 0.0) + sign * win_res[i]
             if len(movers) > 1:
                 cols = np.array([zc for zc, a in terms.items() if a != 0.0], np.int64)
                 runs.append((t, cols, np.array([terms[zc] for zc in cols])))

@@ -242,10 +242,13 @@ def _flatten(jaxpr, env: dict, eqns: list) -> list:
 def _split(jaxpr, consts, out_zeros, nc: int, diff: list[bool], n_out: int) -> Expansion:
     """Split a traced JVP rule into its primal part and its transposed linear part."""
     n_p = len(diff)
-    primals = [compat.Var(v.aval) for v in jaxpr.invars[:n_p]]
-    tangents = [compat.Var(v.aval) for v in jaxpr.invars[n_p:]]
-    constvars = [compat.Var(v.aval) for v in jaxpr.constvars]
-    env = dict(zip(jaxpr.invars, primals + tangents)) | dict(zip(jaxpr.constvars, constvars))
+    # The constants' variables lead (jax 0.11 lists a recorded rule's as plain invars).
+    every = [*jaxpr.constvars, *jaxpr.invars]
+    cvars, ins = every[: len(consts)], every[len(consts) :]
+    primals = [compat.Var(v.aval) for v in ins[:n_p]]
+    tangents = [compat.Var(v.aval) for v in ins[n_p:]]
+    constvars = [compat.Var(v.aval) for v in cvars]
+    env = dict(zip(ins, primals + tangents)) | dict(zip(cvars, constvars))
     eqns: list = []
     outs = _flatten(jaxpr, env, eqns)
     pouts, touts = outs[:n_out], outs[n_out:]
