@@ -135,6 +135,29 @@ def test_each_dropout_rebuilds_its_own_mask_from_its_own_key():
     assert [sum(b in s.records for b in bits) for s in tape.segments] == [1, 1]
 
 
+def mlp_unstacked(p, x, key):
+    k1, k2 = jnp.unstack(jax.random.split(key))
+    h = dropout(k1, jnp.tanh(x @ p["w1"]))
+    h = dropout(k2, jnp.tanh(h @ p["w2"]))
+    return jnp.sum(h**2)
+
+
+@pytest.mark.parametrize("kind", sorted(KEYS))
+def test_keys_unstacked_from_a_split_rebuild_their_masks(kind):
+    # jax 0.11 unpacks ``k1, k2 = split(key)`` with an ``unstack`` record (0.10: a slice
+    # and a squeeze each); jnp.unstack makes the same record under both.
+    p, x, key = params(), rand((16, 32), seed=0), KEYS[kind](3)
+    tape = tg.trace(mlp_unstacked, argnums=(0, 1))(p, x, key)
+    assert "unstack" in {r.primitive for r in tape.records}
+    assert _masks(tape) == []
+    bits = [r.index for r in tape.records if r.primitive == "random_bits"]
+    assert [sum(b in s.records for b in bits) for s in tape.segments] == [1, 1]
+    assert_trees_close(
+        tg.grad(mlp_unstacked, argnums=(0, 1))(p, x, key),
+        jax.grad(mlp_unstacked, argnums=(0, 1))(p, x, key),
+    )
+
+
 def test_a_key_made_from_a_value_nobody_keeps_is_itself_kept():
     # The seed comes from a reduction of x that no record keeps; the key is a few bytes,
     # kept as it is (not rebuilt), and the mask is rebuilt from it.
