@@ -3,6 +3,7 @@ ILP's relaxation cut down to the executor's plans by no-good cuts), and `Budget`
 to it:
 
     python bench/ilp_exact.py [--cells quick|all] [--records 69,90] [--seconds S] [--budgets N]
+                              [--pick 4]
 
 `_planner_ilp_joint`'s model is a relaxation: its optimum is below every executor plan
 within the budget, but its decisions may not fit the budget under the executor's
@@ -62,7 +63,9 @@ def main() -> None:
     ap.add_argument("--budgets", type=int, default=5)
     ap.add_argument("--any-depth", action="store_true")
     ap.add_argument("--records", default="", help="only tapes of these sizes, e.g. 69,90")
+    ap.add_argument("--pick", default="", help="only these budgets of a cell (0: 90%%), e.g. 4")
     args = ap.parse_args()
+    picks = {int(k) for k in args.pick.split(",") if k}
     print(
         "| family | size | records | budget (% save) | prefetch | Budget | heuristic "
         "| relaxation "
@@ -79,7 +82,9 @@ def main() -> None:
         full = estimate(tape)[0]
         lo = floor_of(tape)
         hi = int(full * 0.9)
-        for b in np.unique(np.linspace(hi, lo, args.budgets).astype(int))[::-1]:
+        for k, b in enumerate(np.unique(np.linspace(hi, lo, args.budgets).astype(int))[::-1]):
+            if picks and k not in picks:
+                continue
             b = int(b)
             h, _ = heuristic(tape, b)
             e = exact(tape, b, args.seconds, args.any_depth)

@@ -3,6 +3,12 @@
 Public jax names are preferred everywhere else; what remains below has no
 public spelling in jax 0.10 (source frames, evaluating a custom_vjp's
 forward thunk, recognising checkpoint/name under both remat settings).
+
+jax 0.10 and 0.11 are both supported. What 0.11 changed, and where it is met:
+scan's operand counts became a FlatTree (`eqn_params`, `bind_params`); a
+custom_vjp's flattened backward returns ``(cotangents, logs)``
+(`custom_vjp_backward`); ``ClosedJaxpr`` is ``Jaxpr``, whose constvars without
+attached values are plain leading invars (`tapegrad.rules.custom_jvp._split`).
 """
 
 from __future__ import annotations
