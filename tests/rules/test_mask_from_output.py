@@ -75,6 +75,18 @@ def _equal(got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # NaN == NaN here
 
 
+def _equal_but_rounding(got, want):
+    """Zeros where ``want`` has zeros (relu's mask, exactly) and the same values up to
+    float32 rounding elsewhere (1e-6 of the leaf's largest magnitude). Bit-for-bit equality with eager `jax.grad` is not a property
+    of a correct gradient: jax's own eager and jitted gradients of `mlp` differ in the
+    last bits on some CPUs (13 of 512 elements of a weight's gradient on an AMD EPYC), and tapegrad's
+    one compiled call matches the jitted one there; a wrong mask differs by far more."""
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        np.testing.assert_array_equal(a == 0, b == 0)
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * float(np.abs(b).max()))
+
+
 def _vjp_grad(f, argnums=(0, 1), policy=None):
     """Gradients through `tg.vjp`, which plans the tape (eager `tg.grad` under save()
     runs forward and backward as one compiled call, holding nothing between them)."""
@@ -111,11 +123,11 @@ def test_relu_reads_its_mask_off_the_output_the_next_matmul_keeps():
         nxt = next(q for q in tape.records if q.index > r.index and q.primitive == "dot_general")
         assert r.outputs[0] in [nxt.inputs[s.index] for s in nxt.saves if s.kind == "in"]
     want = jax.grad(mlp, argnums=(0, 1))(p, x)
-    _equal(_vjp_grad(mlp)(p, x), want)
-    _equal(tg.grad(mlp, argnums=(0, 1))(p, x), want)
+    _equal_but_rounding(_vjp_grad(mlp)(p, x), want)
+    _equal_but_rounding(tg.grad(mlp, argnums=(0, 1))(p, x), want)
     _equal(jax.jit(_vjp_grad(mlp))(p, x), jax.jit(jax.grad(mlp, argnums=(0, 1)))(p, x))
     # offload is exact too: the output it moves and brings back is the output
-    _equal(_vjp_grad(mlp, policy=tg.policies.offload())(p, x), want)
+    _equal(_vjp_grad(mlp, policy=tg.policies.offload())(p, x), _vjp_grad(mlp)(p, x))
 
 
 def test_edge_values_give_jax_gradients():
