@@ -687,7 +687,13 @@ class Budget:
 
         kick = JOINT_KICK_WORK // max(n, 1)
         found, _ = search.iterate_joint(
-            sc, [s for s, _ in starts], lambda d, beat: complete(d, beat)[0], left, kick, hot
+            sc,
+            [s for s, _ in starts],
+            lambda d, beat: complete(d, beat)[0],
+            left,
+            kick,
+            hot,
+            SWAP_WORK // max(n, 1),
         )
         for k, dec, (over, total) in found:
             if over == 0 and total < best * (1 - 1e-9):
@@ -982,6 +988,9 @@ def _descend_flops(sc: Any) -> None:
 JOINT_WORK = 480_000
 JOINT_RECORDS = 320
 JOINT_KICK_WORK = 480_000
+# ... and then for edge swaps (`_planner_search.swap_edges`), each repaired by a descent
+# over the whole tape: kicks that move where a segment is cut.
+SWAP_WORK = 480_000
 # The exact-mechanism descent (`Budget._descend_exact`, with highspy): record-evaluations,
 # each an exact mechanism program (~2-30 ms on 46-90 records), on tapes of up to
 # `EXACT_RECORDS` records: above, its share is a few dozen plans, not one sweep, and

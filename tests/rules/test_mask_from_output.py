@@ -77,10 +77,11 @@ def _equal(got, want):
 
 def _equal_but_rounding(got, want):
     """Zeros where ``want`` has zeros (relu's mask, exactly) and the same values up to
-    float32 rounding elsewhere (1e-6 of the leaf's largest magnitude). Bit-for-bit equality with eager `jax.grad` is not a property
-    of a correct gradient: jax's own eager and jitted gradients of `mlp` differ in the
-    last bits on some CPUs (13 of 512 elements of a weight's gradient on an AMD EPYC), and tapegrad's
-    one compiled call matches the jitted one there; a wrong mask differs by far more."""
+    float32 rounding elsewhere (1e-6 of the leaf's largest magnitude). Bit-for-bit
+    equality with eager `jax.grad` is not a property of a correct gradient: jax's own
+    eager and jitted gradients of `mlp` differ in the last bits on some CPUs (13 of 512
+    elements of a weight's gradient on an AMD EPYC), and tapegrad's one compiled call
+    matches the jitted one there; a wrong mask differs by far more."""
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         a, b = np.asarray(a), np.asarray(b)
         np.testing.assert_array_equal(a == 0, b == 0)
