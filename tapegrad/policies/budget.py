@@ -989,7 +989,10 @@ JOINT_WORK = 480_000
 JOINT_RECORDS = 320
 JOINT_KICK_WORK = 480_000
 # ... and then for edge swaps (`_planner_search.swap_edges`), each repaired by a descent
-# over the whole tape: kicks that move where a segment is cut.
+# over the whole tape: kicks that move where a segment is cut. Session 19 (`bench/
+# RESULTS.md`): 8 of the 60 cells faster without highspy, 6 with it, none slower (DAG 149
+# at 52%: 1.766 -> 1.737 µs, the optimum is 1.658), ~25% more planning CPU on tapes over
+# ~100 records; at 240,000 that cell got 1.756.
 SWAP_WORK = 480_000
 # The exact-mechanism descent (`Budget._descend_exact`, with highspy): record-evaluations,
 # each an exact mechanism program (~2-30 ms on 46-90 records), on tapes of up to
