@@ -467,6 +467,23 @@ def _better(a: tuple[int, float], b: tuple[int, float]) -> bool:
     return a[0] < b[0] or (a[0] == b[0] and a[1] < b[1] * (1 - 1e-9))
 
 
+def _remembered(
+    seen: dict[tuple[str, ...], tuple[tuple[int, float], bool]],
+    cost: Callable[[tuple[str, ...], tuple[int, float] | None], tuple[int, float]],
+    dec: tuple[str, ...],
+    beat: tuple[int, float] | None,
+) -> tuple[tuple[int, float], bool]:
+    """(``cost`` of ``dec``, whether it was evaluated now): remembered in ``seen`` with
+    whether it is exact (an answer not below the score it had to beat may be a lower
+    bound only: evaluated again where it would beat a lower score)."""
+    got = seen.get(dec)
+    if got is not None and (got[1] or (beat is not None and not _better(got[0], beat))):
+        return got[0], False
+    t = cost(dec, beat)
+    seen[dec] = (t, beat is None or _better(t, beat))
+    return t, True
+
+
 def descend_joint(
     sc: Scorer,
     start: Sequence[str],
@@ -503,16 +520,9 @@ def descend_joint(
     evals = 0
 
     def score(dec: tuple[str, ...], beat: tuple[int, float] | None) -> tuple[int, float]:
-        """``cost``, remembered in ``seen`` with whether it is exact (an answer not
-        below the score it had to beat may be a lower bound only: evaluated again
-        where it would beat a lower score)."""
         nonlocal evals
-        got = seen.get(dec)
-        if got is not None and (got[1] or (beat is not None and not _better(got[0], beat))):
-            return got[0]
-        t = cost(dec, beat)
-        evals += 1
-        seen[dec] = (t, beat is None or _better(t, beat))
+        t, new = _remembered(seen, cost, dec, beat)
+        evals += new
         return t
 
     cur = sc.with_fixed(start)
@@ -670,15 +680,6 @@ def swap_edges(
     )
     spent = 0
 
-    def score(dec: tuple[str, ...]) -> tuple[int, float]:
-        nonlocal spent
-        got = seen.get(dec)
-        if got is None or not got[1]:
-            t = cost(dec, None)
-            spent += 1
-            seen[dec] = got = (t, True)
-        return got[0]
-
     improved = True
     while improved and spent < max_evals - 1:
         improved = False
@@ -688,7 +689,9 @@ def swap_edges(
                 swapped = list(cur)
                 swapped[p], swapped[c] = cur[c], cur[p]
                 dec = sc.with_fixed(swapped)
-                swaps.append((score(dec), p, c, dec))
+                t, new = _remembered(seen, cost, dec, None)
+                spent += new
+                swaps.append((t, p, c, dec))
         swaps.sort(key=lambda s: (s[0], s[1], s[2]))
         for _, p, c, trial in swaps:
             if spent >= max_evals - 1:
