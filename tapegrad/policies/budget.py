@@ -694,6 +694,7 @@ class Budget:
             kick,
             hot,
             SWAP_WORK // max(n, 1),
+            ANNEAL_WORK // max(n, 1),
         )
         for k, dec, (over, total) in found:
             if over == 0 and total < best * (1 - 1e-9):
@@ -994,6 +995,9 @@ JOINT_KICK_WORK = 480_000
 # at 52%: 1.766 -> 1.737 µs, the optimum is 1.658), ~25% more planning CPU on tapes over
 # ~100 records; at 240,000 that cell got 1.756.
 SWAP_WORK = 480_000
+# ... and then for annealing from the best plan (`_planner_search.anneal_joint`): random
+# moves of one to six records, uphill ones taken at a falling temperature.
+ANNEAL_WORK = 480_000
 # The exact-mechanism descent (`Budget._descend_exact`, with highspy): record-evaluations,
 # each an exact mechanism program (~2-30 ms on 46-90 records), on tapes of up to
 # `EXACT_RECORDS` records: above, its share is a few dozen plans, not one sweep, and
