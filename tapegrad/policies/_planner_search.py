@@ -653,6 +653,14 @@ def iterate_joint(
     return found, spent
 
 
+def _free_edges(sc: Scorer) -> list[tuple[int, int]]:
+    """(producer, consumer) of each input a record reads from its own region, both ends
+    free, once per read, consumers in tape order: the dataflow edges the edge swaps and
+    the annealing's neighbour moves work along."""
+    free = [f is None for f in sc.fixed]
+    return [(p, c) for c in range(sc.n) for p in sc.index.same_region_in[c] if free[p] and free[c]]
+
+
 # Edge swaps (`swap_edges`): evaluations of the descent that repairs each swap.
 SWAP_REPAIR = 400
 
@@ -679,12 +687,7 @@ def swap_edges(
     plan (1.766 µs) was 9 flips from the proved optimum (1.658), every path through
     those flips over 1.94; two repaired swaps reach 1.737."""
     seen = {} if seen is None else seen
-    free = [f is None for f in sc.fixed]
-    edges = list(
-        dict.fromkeys(
-            (p, c) for c in range(sc.n) for p in sc.index.same_region_in[c] if free[p] and free[c]
-        )
-    )
+    edges = list(dict.fromkeys(_free_edges(sc)))
     spent = 0
 
     improved = True
@@ -747,13 +750,11 @@ def anneal_joint(
     free = [i for i in range(sc.n) if sc.fixed[i] is None]
     if not free or best[0] != 0 or max_evals < 2:
         return cur, best, 0
-    is_free = set(free)
     adj: list[list[int]] = [[] for _ in range(sc.n)]
-    for c in range(sc.n):
-        for p in sc.index.same_region_in[c]:
-            if p in is_free and c in is_free and p != c:
-                adj[p].append(c)
-                adj[c].append(p)
+    for p, c in _free_edges(sc):
+        if p != c:
+            adj[p].append(c)
+            adj[c].append(p)
     rng = np.random.default_rng(ANNEAL_SEED)
     other = {"save": "recompute", "recompute": "save"}
     spent, tries = 0, 0

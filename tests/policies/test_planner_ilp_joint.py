@@ -819,6 +819,18 @@ def test_kicks_leave_the_descents_local_optimum(monkeypatch):
     assert planned(work)[0] == dec
 
 
+def _flops_scored(tape, b: int):
+    """A `Scorer` of ``tape`` at budget ``b`` and the joint searches' ``cost`` scored by
+    recompute flops: ``(0, flops)`` when the plan fits, else ``(1, bytes over)``."""
+    sc = Scorer(tape, [None] * len(tape.records), b)
+
+    def cost(dec, beat=None):
+        peak, flops = sc.score(dec)
+        return (0, flops) if peak <= b else (1, float(peak - b))
+
+    return sc, cost
+
+
 def test_edge_swaps_leave_the_descents_local_optimum():
     """`_planner_search.swap_edges`: on a 23-record random DAG at 70% of save()'s peak,
     scored by recompute flops, single flips and runs stop at a plan recomputing 42,496
@@ -834,12 +846,7 @@ def test_edge_swaps_leave_the_descents_local_optimum():
     b = int(estimate(tape)[0] * 0.7)
 
     def run():
-        sc = Scorer(tape, [None] * n, b)
-
-        def cost(dec, beat=None):
-            peak, flops = sc.score(dec)
-            return (0, flops) if peak <= b else (1, float(peak - b))
-
+        sc, cost = _flops_scored(tape, b)
         local, t, _ = descend_joint(sc, sc.with_fixed(["save"] * n), cost, 100_000)
         assert descend_joint(sc, local, cost, 100_000)[:2] == (local, t)  # a local optimum
         dec, got, spent = swap_edges(sc, local, t, cost, 1_000)
@@ -866,12 +873,7 @@ def test_annealing_leaves_the_swaps_local_optimum():
     b = int(estimate(tape)[0] * 0.5)
 
     def run():
-        sc = Scorer(tape, [None] * n, b)
-
-        def cost(dec, beat=None):
-            peak, flops = sc.score(dec)
-            return (0, flops) if peak <= b else (1, float(peak - b))
-
+        sc, cost = _flops_scored(tape, b)
         local, t, _ = descend_joint(sc, sc.with_fixed(["save"] * n), cost, 100_000)
         local, t, _ = swap_edges(sc, local, t, cost, 2_000)
         dec, got, spent = anneal_joint(sc, local, t, cost, 2_000)
