@@ -644,7 +644,7 @@ def iterate_joint(
         spent += e
         if _better(t, best):
             cur, best, kicked = dec, t, True
-    for chain, (hi, lo, share) in enumerate(ANNEAL_T if anneal_evals > 0 else ()):
+    for chain, (hi, lo, share) in enumerate(ANNEAL_T):
         dec, t, e = anneal_joint(
             sc, cur, best, cost, int(anneal_evals * share), seen, (hi, lo), ANNEAL_SEED + chain
         )
@@ -737,8 +737,8 @@ def anneal_joint(
     cost: Callable[[tuple[str, ...], tuple[int, float] | None], tuple[int, float]],
     max_evals: int,
     seen: dict[tuple[str, ...], tuple[tuple[int, float], bool]] | None = None,
-    temps: tuple[float, float] = (0.03, 0.0005),
-    seed: int = 0,
+    temps: tuple[float, float] = ANNEAL_T[0][:2],
+    seed: int = ANNEAL_SEED,
 ) -> tuple[tuple[str, ...], tuple[int, float], int]:
     """Simulated annealing from ``cur`` (a plan that fits, cost ``best``) for up to
     ``max_evals`` evaluations: a random move is taken when its cost is below the
