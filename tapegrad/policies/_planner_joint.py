@@ -228,15 +228,18 @@ def options(
     return Options(S, C, sec, ok)
 
 
-def live_bytes(tl: Timeline, stored: np.ndarray, copied: np.ndarray) -> np.ndarray:
-    """Device bytes at every point for per-key stored and copy bytes."""
+def live_bytes(tl: Timeline, stored: np.ndarray, copied: np.ndarray | None = None) -> np.ndarray:
+    """Device bytes at every point for per-key stored and copy bytes (none: no copies)."""
     T = tl.points
-    diff = np.zeros(T + 1, dtype=np.int64)
-    diff[0] += int(stored.sum())
-    np.add.at(diff, tl.release + 1, -stored)
-    np.add.at(diff, tl.unpack, copied)
-    np.add.at(diff, tl.release + 1, -copied)
-    return tl.fixed + np.cumsum(diff)[:T]
+    # Per point, the bytes released after it and the copies made at it. `np.bincount`
+    # sums in float64, exactly: byte counts stay far below 2**53. (`np.add.at` did the
+    # same ~5x slower, and the planner calls this for every plan it scores.)
+    held = stored if copied is None else stored + copied
+    diff = -np.bincount(tl.release + 1, held, T + 1)
+    if copied is not None:
+        diff += np.bincount(tl.unpack, copied, T + 1)
+    diff[0] += float(stored.sum())
+    return tl.fixed + np.cumsum(diff)[:T].astype(np.int64)
 
 
 def evaluate(tl: Timeline, opts: Options, choice: np.ndarray) -> tuple[int, float]:
@@ -447,7 +450,7 @@ def least_seconds(tl: Timeline, opts: Options, budget: int) -> float:
     if K == 0 or tl.points == 0 or (opts.seconds < 0).any():
         return 0.0
     base = opts.stored[:, 0]
-    live = live_bytes(tl, base, np.zeros(K, np.int64))
+    live = live_bytes(tl, base)
     t = int(np.argmax(live))
     over = int(live[t]) - budget
     if over <= 0:

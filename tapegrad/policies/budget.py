@@ -24,7 +24,7 @@ are never recomputed.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
 
@@ -627,6 +627,10 @@ class Budget:
         left = JOINT_WORK // max(n, 1)
         memo: dict[tuple, Any] = {}
         rows: dict[tuple, Any] = {}  # `_planner_joint.options`' rows, by residual key
+        # (timeline, options, least mechanism seconds) by the timeline's id, which it
+        # holds: many plans share one timeline (`TapeIndex.timeline`; ~40 plans each on
+        # a 40-record DAG), and the bound is a function of it
+        bounds: dict[int, tuple[Any, Any, float]] = {}
 
         def complete(dec: tuple, beat: tuple[int, float] | None = None) -> Any:
             got = memo.get(dec)
@@ -637,8 +641,16 @@ class Budget:
                 if beat is not None and beat[0] == 0:
                     if rec_s >= beat[1]:
                         return ((0, rec_s),)  # recompute alone costs more: no mechanisms
-                    opts = joint.options(tl, self.mechanisms, costs, rows)
-                    least = rec_s + joint.least_seconds(tl, opts, self.bytes)
+                    bound = bounds.get(id(tl))
+                    if bound is None:
+                        opts = joint.options(tl, self.mechanisms, costs, rows)
+                        bound = bounds[id(tl)] = (
+                            tl,
+                            opts,
+                            joint.least_seconds(tl, opts, self.bytes),
+                        )
+                    _, opts, least = bound
+                    least += rec_s
                     if least >= beat[1]:
                         # no mechanisms can make it faster (over half the plans a
                         # descent tries on the bench's 230-256-record tapes). Met again
@@ -732,6 +744,9 @@ class Budget:
             return []
         start = min(fitting, key=lambda c: c[0])
         memo: dict[tuple, Any] = {}
+        # What depends on the timeline only, by its id (the entry holds it): plans
+        # sharing one (`TapeIndex.timeline`) share the options, bounds and HiGHS's answer
+        facts: dict[int, dict[str, Any]] = {}
 
         def complete(dec: tuple, beat: tuple[int, float] | None = None) -> Any:
             got = memo.get(dec)
@@ -739,8 +754,12 @@ class Budget:
                 return got
             tl = sc.timeline(dec, prefetch)
             rec_s = costs.recompute_s(tl.recompute_flops)
-            opts = joint.options(tl, self.mechanisms, costs)
-            over = joint.least_bytes(tl, opts) - self.bytes
+            f = facts.get(id(tl))
+            if f is None:
+                opts = joint.options(tl, self.mechanisms, costs)
+                over = joint.least_bytes(tl, opts) - self.bytes
+                f = facts[id(tl)] = {"tl": tl, "opts": opts, "over": over}
+            opts, over = f["opts"], f["over"]
             if over > 0:
                 got = ((1, float(over)), rec_s, tl, opts, None)
             elif beat is not None and beat[0] == 0 and rec_s >= beat[1]:
@@ -748,11 +767,15 @@ class Budget:
             elif (
                 beat is not None
                 and beat[0] == 0
-                and (least := rec_s + joint.least_seconds(tl, opts, self.bytes)) >= beat[1]
+                and (
+                    least := rec_s
+                    + _fact(f, "least", lambda: joint.least_seconds(tl, opts, self.bytes))
+                )
+                >= beat[1]
             ):
                 return ((0, least), rec_s, tl, opts, None)  # likewise
             else:
-                choice = ilp(tl, opts, self.bytes)
+                choice = _fact(f, "choice", lambda: ilp(tl, opts, self.bytes))
                 if choice is None:  # HiGHS found none within its work limit
                     got = ((1, 0.0), rec_s, tl, opts, None)
                 else:
@@ -782,6 +805,13 @@ class Budget:
 # Relaxed budgets for the save/recompute plans the joint planner completes with
 # mechanisms: the budget itself, then less recompute and more bytes left to move.
 _RELAXED = 6  # how many relaxed save/recompute plans the joint planner completes
+
+
+def _fact(facts: dict[str, Any], name: str, compute: Callable[[], Any]) -> Any:
+    """``facts[name]``, computed on first use."""
+    if name not in facts:
+        facts[name] = compute()
+    return facts[name]
 
 
 def _relaxed(sc: Any, lo: int, hi: int) -> list[tuple]:

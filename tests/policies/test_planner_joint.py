@@ -543,3 +543,27 @@ def test_least_seconds_is_a_lower_bound_on_every_fitting_choice():
     # here: 956 budgets, the bound at 0.79 of the optimum on average; 2 infeasible seen
     assert len(ratios) > 500 and ratios.mean() > 0.6, (len(ratios), ratios.mean())
     assert infinite > 0
+
+
+def test_live_bytes_is_the_sum_over_held_keys_at_every_point():
+    """`joint.live_bytes` against its definition, point by point: a key's stored bytes
+    are held from forward's end to its release, its copy's from its unpack point to its
+    release; byte counts up to 2**44 (it sums in float64, exact below 2**53)."""
+    import types
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        K, T = int(rng.integers(0, 12)), int(rng.integers(1, 16))
+        release = rng.integers(0, T, K)
+        unpack = np.minimum(rng.integers(0, T + 1, K), release + 1)  # never: release + 1
+        tl = types.SimpleNamespace(
+            points=T, release=release, unpack=unpack, fixed=rng.integers(0, 2**40, T)
+        )
+        stored, copied = rng.integers(0, 2**44, K), rng.integers(0, 2**44, K)
+        t = np.arange(T)[:, None]
+        want = tl.fixed + (stored * (t <= release)).sum(1)
+        np.testing.assert_array_equal(joint.live_bytes(tl, stored), want)
+        want += (copied * ((unpack <= t) & (t <= release))).sum(1)
+        got = joint.live_bytes(tl, stored, copied)
+        assert got.dtype == np.int64
+        np.testing.assert_array_equal(got, want)
