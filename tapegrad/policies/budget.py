@@ -502,14 +502,21 @@ class Budget:
         ilp = _ilp_solver(tape)
         scored: list[list[Any]] = []
         seen: set[tuple] = set()
-        greedy: dict[int, Any] = {}  # `_greedy`'s completions, by timeline
+        # What depends on a plan's timeline only (this call fixes the budget, mechanisms
+        # and costs), by the timeline's id; each entry holds its timeline, so the id is
+        # never reused while it is there. Many plans share one timeline
+        # (`TapeIndex.timeline`: ~40 plans each on a 40-record DAG). Keys, each computed
+        # on first use (`_fact`): "opts" (kept where a completion needs them), "greedy"
+        # (`_greedy`'s choice and seconds), "least" (`least_seconds`), "over" (fewest
+        # bytes over the budget), "exact" (HiGHS's choice).
+        facts: dict[int, dict[str, Any]] = {}
 
         def completed(dec: tuple, family: str) -> list[Any]:
             """``dec`` completed with the greedy mechanisms, as a row of ``scored``."""
             nonlocal floor
             tl = sc.timeline(dec, prefetch)
             rec_s = costs.recompute_s(tl.recompute_flops)
-            opts, choice, total = self._greedy(tl, rec_s, costs, memo=greedy)
+            opts, choice, total = self._greedy(tl, rec_s, costs, facts=facts)
             least = joint.least_bytes(tl, opts)
             floor = least if floor is None else min(floor, least)
             return [total, rec_s, dec, family, "greedy", tl, opts, choice]
@@ -517,7 +524,7 @@ class Budget:
         def exactly(c: list[Any]) -> None:
             """Row ``c`` with the exact mechanisms (``ilp``) where they are faster."""
             _, rec_s, _, _, _, tl, opts, _ = c
-            exact = ilp(tl, opts, self.bytes)
+            exact = _fact(_facts_of(facts, tl), "exact", lambda: ilp(tl, opts, self.bytes))
             if exact is not None:
                 t = rec_s + joint.evaluate(tl, opts, exact)[1]
                 if c[0] is None or t < c[0]:
@@ -528,7 +535,7 @@ class Budget:
                 seen.add(dec)
                 scored.append(completed(dec, family))
         searched = len(scored)
-        scored += self._descend(tape, sc, scored, prefetch, costs, greedy)
+        scored += self._descend(tape, sc, scored, prefetch, costs, facts)
         if ilp is not None:
             # The exact mechanisms for the most promising plans (greedy's best two, and
             # plans greedy could not fit while they can).
@@ -549,7 +556,7 @@ class Budget:
             extra += [c for c in mine if all(c is not e for e in extra)]
             for c in order[:2] + extra:
                 exactly(c)
-            scored += self._descend_exact(tape, sc, scored, prefetch, costs, ilp)
+            scored += self._descend_exact(tape, sc, scored, prefetch, costs, ilp, facts)
         # On a chain: the exact joint program (save/recompute and mechanisms together).
         scored += _chain_joint(tape, sc, fixed, self, costs, scored, prefetch)
         for dec, family in late:
@@ -574,29 +581,26 @@ class Budget:
         rec_s: float,
         costs: Any,
         rows: dict | None = None,
-        memo: dict[int, Any] | None = None,
+        facts: dict[int, dict[str, Any]] | None = None,
         opts: Any = None,
     ) -> tuple[Any, Any, float | None]:
         """A plan's timeline completed with the greedy mechanisms: (the options, the
         choice or None where nothing fits the budget, the predicted step time or None).
-        ``memo`` (optional, for one planning call: the same budget, mechanisms and
-        costs) keeps each completion by its timeline, which `TapeIndex.timeline`
-        shares between plans with the same segments; it holds the timeline, so the
-        ``id`` it is kept by is never reused while it is there. ``opts``: the options,
-        where the caller has them already."""
+        ``facts`` (optional): `_complete`'s per-timeline memo, where the options and
+        the completion are kept. ``opts``: the options, where the caller has them."""
         from tapegrad.policies import _planner_joint as joint
 
-        got = memo.get(id(tl)) if memo is not None else None
-        if got is None:
-            if opts is None:
-                opts = joint.options(tl, self.mechanisms, costs, rows)
-            choice = joint.assign_greedy(tl, opts, self.bytes)
-            secs = joint.evaluate(tl, opts, choice)[1] if choice is not None else None
-            got = (tl, opts, choice, secs)
-            if memo is not None:
-                memo[id(tl)] = got
-        _, opts, choice, secs = got
-        return opts, choice, (rec_s + secs if secs is not None else None)
+        f = _facts_of(facts, tl)
+        if "greedy" not in f:
+            if "opts" not in f:
+                f["opts"] = (
+                    opts if opts is not None else joint.options(tl, self.mechanisms, costs, rows)
+                )
+            choice = joint.assign_greedy(tl, f["opts"], self.bytes)
+            secs = joint.evaluate(tl, f["opts"], choice)[1] if choice is not None else None
+            f["greedy"] = (choice, secs)
+        choice, secs = f["greedy"]
+        return f["opts"], choice, (rec_s + secs if secs is not None else None)
 
     def _descend(
         self,
@@ -605,7 +609,7 @@ class Budget:
         scored: list,
         prefetch: int,
         costs: Any,
-        greedy: dict[int, Any] | None = None,
+        facts: dict[int, dict[str, Any]] | None = None,
     ) -> list[list[Any]]:
         """`_planner_search.iterate_joint`: descents from the fastest completed
         candidate, from the hand-written policies' plans (`_planner_search.CLASSES`;
@@ -627,12 +631,7 @@ class Budget:
         left = JOINT_WORK // max(n, 1)
         memo: dict[tuple, Any] = {}
         rows: dict[tuple, Any] = {}  # `_planner_joint.options`' rows, by residual key
-        # (timeline, least mechanism seconds) by the timeline's id, which it holds: many
-        # plans share one timeline (`TapeIndex.timeline`; ~40 plans each on a 40-record
-        # DAG), and the bound is a function of it. (Not the options under it: kept for
-        # every timeline met, they added ~6% to the peak memory of planning a 230-record
-        # U-Net; `_greedy` keeps those of the plans it completes.)
-        bounds: dict[int, tuple[Any, float]] = {}
+        facts = {} if facts is None else facts
 
         def complete(dec: tuple, beat: tuple[int, float] | None = None) -> Any:
             got = memo.get(dec)
@@ -643,11 +642,16 @@ class Budget:
                 if beat is not None and beat[0] == 0:
                     if rec_s >= beat[1]:
                         return ((0, rec_s),)  # recompute alone costs more: no mechanisms
-                    bound = bounds.get(id(tl))
-                    if bound is None:
-                        opts = joint.options(tl, self.mechanisms, costs, rows)
-                        bound = bounds[id(tl)] = (tl, joint.least_seconds(tl, opts, self.bytes))
-                    least = rec_s + bound[1]
+                    # The bound only, not the options under it (unless kept already):
+                    # kept for every timeline met, they added ~6% to the peak memory of
+                    # planning a 230-record U-Net.
+                    f = _facts_of(facts, tl)
+                    if "least" not in f:
+                        opts = f.get("opts")
+                        if opts is None:
+                            opts = joint.options(tl, self.mechanisms, costs, rows)
+                        f["least"] = joint.least_seconds(tl, opts, self.bytes)
+                    least = rec_s + f["least"]
                     if least >= beat[1]:
                         # no mechanisms can make it faster (over half the plans a
                         # descent tries on the bench's 230-256-record tapes). Met again
@@ -655,7 +659,7 @@ class Budget:
                         # counts as an evaluation: the search's course can differ from
                         # completing every plan (2 of the bench's 60 cells, <= 0.07%).
                         return ((0, least),)
-                opts, choice, total = self._greedy(tl, rec_s, costs, rows, greedy, opts)
+                opts, choice, total = self._greedy(tl, rec_s, costs, rows, facts, opts)
                 if total is None:
                     key = (1, float(joint.least_bytes(tl, opts) - self.bytes))
                 else:
@@ -714,7 +718,14 @@ class Budget:
         return out
 
     def _descend_exact(
-        self, tape: Tape, sc: Any, scored: list, prefetch: int, costs: Any, ilp: Any
+        self,
+        tape: Tape,
+        sc: Any,
+        scored: list,
+        prefetch: int,
+        costs: Any,
+        ilp: Any,
+        facts: dict[int, dict[str, Any]] | None = None,
     ) -> list[list[Any]]:
         """A descent (`_planner_search.descend_joint`) from the fastest plan so far,
         each plan completed with the exact mechanisms (``ilp``, `_planner_ilp.solve`)
@@ -741,9 +752,7 @@ class Budget:
             return []
         start = min(fitting, key=lambda c: c[0])
         memo: dict[tuple, Any] = {}
-        # What depends on the timeline only, by its id (the entry holds it): plans
-        # sharing one (`TapeIndex.timeline`) share the options, bounds and HiGHS's answer
-        facts: dict[int, dict[str, Any]] = {}
+        facts = {} if facts is None else facts  # `_complete`'s, by timeline
 
         def complete(dec: tuple, beat: tuple[int, float] | None = None) -> Any:
             got = memo.get(dec)
@@ -751,12 +760,9 @@ class Budget:
                 return got
             tl = sc.timeline(dec, prefetch)
             rec_s = costs.recompute_s(tl.recompute_flops)
-            f = facts.get(id(tl))
-            if f is None:
-                opts = joint.options(tl, self.mechanisms, costs)
-                over = joint.least_bytes(tl, opts) - self.bytes
-                f = facts[id(tl)] = {"tl": tl, "opts": opts, "over": over}
-            opts, over = f["opts"], f["over"]
+            f = _facts_of(facts, tl)
+            opts = _fact(f, "opts", lambda: joint.options(tl, self.mechanisms, costs))
+            over = _fact(f, "over", lambda: joint.least_bytes(tl, opts) - self.bytes)
             if over > 0:
                 got = ((1, float(over)), rec_s, tl, opts, None)
             elif beat is not None and beat[0] == 0 and rec_s >= beat[1]:
@@ -772,7 +778,7 @@ class Budget:
             ):
                 return ((0, least), rec_s, tl, opts, None)  # likewise
             else:
-                choice = _fact(f, "choice", lambda: ilp(tl, opts, self.bytes))
+                choice = _fact(f, "exact", lambda: ilp(tl, opts, self.bytes))
                 if choice is None:  # HiGHS found none within its work limit
                     got = ((1, 0.0), rec_s, tl, opts, None)
                 else:
@@ -809,6 +815,13 @@ def _fact(facts: dict[str, Any], name: str, compute: Callable[[], Any]) -> Any:
     if name not in facts:
         facts[name] = compute()
     return facts[name]
+
+
+def _facts_of(facts: dict[int, dict[str, Any]] | None, tl: Any) -> dict[str, Any]:
+    """``tl``'s entry in a per-timeline memo (a fresh one where there is no memo)."""
+    if facts is None:
+        return {"tl": tl}
+    return facts.setdefault(id(tl), {"tl": tl})
 
 
 def _relaxed(sc: Any, lo: int, hi: int) -> list[tuple]:
