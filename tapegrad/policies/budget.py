@@ -355,8 +355,9 @@ class Budget:
         on small tapes the plans of the joint ILP (`_planner_ilp_joint`; compared after
         the searches on tapes of up to `WIDE_RECORDS` records, else started from);
         then, on tapes up to `JOINT_RECORDS` records, a local search over save/recompute
-        scored by predicted step time (`_descend`); the least predicted step time that
-        fits wins."""
+        scored by predicted step time (`_descend`), and on tapes of 101-300 records with
+        highspy the joint ILP over windows of the best plan (`_windows`); the least
+        predicted step time that fits wins."""
         import numpy as np
 
         from tapegrad.policies import _planner_ilp_joint as J
@@ -536,6 +537,14 @@ class Budget:
                 scored.append(completed(dec, family))
         searched = len(scored)
         scored += self._descend(tape, sc, scored, prefetch, costs, facts)
+
+        def completed_exactly(dec: tuple, family: str) -> list[Any]:
+            c = completed(dec, family)
+            exactly(c)
+            return c
+
+        if ilp is not None:  # (HiGHS installed, and a tape it solves the mechanisms of)
+            scored += self._windows(tape, fixed, scored, prefetch, costs, completed_exactly)
         if ilp is not None:
             # The exact mechanisms for the most promising plans (greedy's best two, and
             # plans greedy could not fit while they can).
@@ -715,6 +724,69 @@ class Budget:
                 _, rec_s, tl, opts, choice = complete(dec)
                 family = starts[k][1] + "+joint descent"
                 out.append([total, rec_s, dec, family, "greedy", tl, opts, choice])
+        return out
+
+    def _windows(
+        self,
+        tape: Tape,
+        fixed: list,
+        scored: list,
+        prefetch: int,
+        costs: Any,
+        complete: Callable[[tuple, str], list[Any]],
+    ) -> list[list[Any]]:
+        """A large-neighbourhood search with the joint ILP: from the fastest plan so
+        far, `_planner_ilp_joint.plan_candidate` re-plans `WINDOW_RECORDS` consecutive
+        records with every other record held at that plan's decision, the window
+        sliding by `WINDOW_STEP`; each plan it decodes is completed (``complete``: the
+        greedy mechanisms, then the exact ones) and becomes the plan to beat where it
+        is faster; up to `WINDOW_ROUNDS` passes, until one improves nothing. Where
+        `_complete` has the exact mechanisms (highspy installed), on tapes over
+        `_planner_ilp_joint.WIDE_RECORDS` records (below, the whole ILP's plans are
+        compared already) up to its `MAX_RECORDS`. The whole
+        ILP is out of HiGHS's reach there, a window's is not (0.1-1 s without run
+        variables), and it moves dozens of records at once where the searches' moves
+        are one to six: on the bench's 256-record DAG at 70% of save()'s peak, 1.356 ->
+        1.142 predicted µs (the best plan known before, from an offline search: 1.144).
+        Returns the plans that beat the fastest, scored like the others."""
+        from tapegrad.policies import _planner_ilp_joint as J
+
+        n = len(tape.records)
+        if "recompute" not in self.allow or not J.WIDE_RECORDS < n <= J.MAX_RECORDS:
+            return []
+        if WINDOW_ROUNDS <= 0:
+            return []
+        fitting = [c for c in scored if c[0] is not None]
+        if not fitting:
+            return []
+        start = min(fitting, key=lambda c: c[0])
+        best = complete(start[2], start[3])
+        if best[0] is None:
+            return []
+        family = start[3]
+        mechs = _no_lowbit(self.mechanisms)
+        tried = {best[2]}
+        out: list[list[Any]] = []
+        for _ in range(WINDOW_ROUNDS):
+            improved = False
+            for a in range(0, max(n - WINDOW_RECORDS, 0) + WINDOW_STEP, WINDOW_STEP):
+                held = [
+                    f if f is not None or a <= i < a + WINDOW_RECORDS else d
+                    for i, (f, d) in enumerate(zip(fixed, best[2]))
+                ]
+                # the model without run variables: windows of 80 records at window 0
+                # beat windows of 20-60 at window 4 or 8 on the bench's large tapes,
+                # at a fifth of the CPU (`bench/RESULTS.md`, session 23)
+                dec = J.plan_candidate(tape, held, self.bytes, mechs, costs, prefetch, window=0)
+                if dec is None or dec in tried:
+                    continue
+                tried.add(dec)
+                c = complete(dec, family + "+ILP windows")
+                if c[0] is not None and c[0] < best[0] * (1 - 1e-9):
+                    best, improved = c, True
+                    out.append(c)
+            if not improved:
+                break
         return out
 
     def _descend_exact(
@@ -1044,6 +1116,11 @@ ANNEAL_WORK = 480_000
 # the joint descent's wider search finds more in that time.
 EXACT_WORK = 9_000
 EXACT_RECORDS = 100
+# The joint ILP's window search (`Budget._windows`, with highspy, tapes of 101-300
+# records): records per window, the slide, and passes at most.
+WINDOW_RECORDS = 80
+WINDOW_STEP = 40
+WINDOW_ROUNDS = 2
 # The flops descent (`_descend_flops`): record-evaluations for its descents and its
 # kicks (kept at 80,000: more finds plans with fewer flops that are slower once
 # completed with mechanisms, transformer 178 at 70% +9%), then for its oscillation,

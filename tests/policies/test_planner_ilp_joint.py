@@ -1052,3 +1052,55 @@ def test_the_joint_ilps_plans_do_not_hold_the_search_back(monkeypatch):
     depth = min(int(pol.last["prefetch"]), 1)
     exact, _ = J.plan_seconds(TapeIndex(tape), tuple(got), b, ("offload", "bf16"), COSTS, depth)
     assert exact == pytest.approx(pol.last["time_s"], rel=1e-9)
+
+
+def test_ilp_windows_move_many_records_at_once(monkeypatch):
+    """`Budget._windows`: the joint ILP re-plans a window of consecutive records with
+    every other record held at the best plan's decision. On the bench's 149-record
+    random DAG at half of save()'s peak, with the searches off (so the windows start
+    from the best candidate before them, as where the searches stop short), the
+    windows make the plan over 10% faster (4.662 -> 3.994 predicted µs). The plan
+    fits, what `Budget` reports is `plan_seconds` of its decisions, and a second run
+    plans the same. With binding decisions, every window holds them."""
+    pytest.importorskip("highspy")
+    import sys
+
+    from tapegrad.policies._planner_fast import TapeIndex
+
+    B = sys.modules["tapegrad.policies.budget"]  # the package exports the function
+    f, args = varied_dag(10, 10, 4)
+    tape = tg.trace(f, argnums=0)(*args)
+    n = len(tape.records)
+    assert J.WIDE_RECORDS < n <= J.MAX_RECORDS
+    b = int(estimate(tape)[0] * 0.5)
+    for name in ("JOINT_WORK", "JOINT_KICK_WORK", "SWAP_WORK", "ANNEAL_WORK", "EXACT_WORK"):
+        monkeypatch.setattr(B, name, 0)
+    rounds = B.WINDOW_ROUNDS
+
+    def plan(rounds: int, fixed: list):
+        monkeypatch.setattr(B, "WINDOW_ROUNDS", rounds)
+        pol = Budget(b, allow=ALL, max_error="bf16", costs=COSTS)
+        return tuple(pol.plan(tape, fixed)), pol.last
+
+    _, before = plan(0, [None] * n)
+    got, after = plan(rounds, [None] * n)
+    assert "ILP windows" not in before["plan"] and "ILP windows" in after["plan"]
+    assert after["time_s"] <= 0.9 * before["time_s"], (before["time_s"], after["time_s"])
+    assert after["peak_bytes"] <= b
+    depth = min(int(after["prefetch"]), 1)
+    exact, _ = J.plan_seconds(TapeIndex(tape), got, b, ("offload", "bf16"), COSTS, depth)
+    assert exact == pytest.approx(after["time_s"], rel=1e-9)
+    assert plan(rounds, [None] * n)[0] == got
+
+    held = []
+    solve = J.plan_candidate
+    monkeypatch.setattr(
+        J, "plan_candidate", lambda t, fx, *a, **k: held.append(fx) or solve(t, fx, *a, **k)
+    )
+    fixed: list = [None] * n
+    fixed[30], fixed[90] = "recompute", "save"
+    got, _ = plan(rounds, fixed)
+    windows = [fx for fx in held if 0 < fx.count(None) <= B.WINDOW_RECORDS]
+    assert len(windows) >= n // B.WINDOW_STEP
+    assert all(fx[30] == "recompute" and fx[90] == "save" for fx in held)
+    assert got[30] == "recompute" and got[90] == "save"
