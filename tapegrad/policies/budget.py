@@ -537,15 +537,15 @@ class Budget:
                 scored.append(completed(dec, family))
         searched = len(scored)
         scored += self._descend(tape, sc, scored, prefetch, costs, facts)
-
-        def completed_exactly(dec: tuple, family: str) -> list[Any]:
-            c = completed(dec, family)
-            exactly(c)
-            return c
-
         if ilp is not None:  # (HiGHS installed, and a tape it solves the mechanisms of)
+
+            def completed_exactly(dec: tuple, family: str) -> list[Any]:
+                c = completed(dec, family)
+                exactly(c)
+                return c
+
             scored += self._windows(tape, fixed, scored, prefetch, costs, completed_exactly)
-        if ilp is not None:
+
             # The exact mechanisms for the most promising plans (greedy's best two, and
             # plans greedy could not fit while they can).
             def rank(c: list) -> tuple[bool, float]:
@@ -743,11 +743,11 @@ class Budget:
         is faster; up to `WINDOW_ROUNDS` passes, until one improves nothing. Where
         `_complete` has the exact mechanisms (highspy installed), on tapes over
         `_planner_ilp_joint.WIDE_RECORDS` records (below, the whole ILP's plans are
-        compared already) up to its `MAX_RECORDS`. The whole
-        ILP is out of HiGHS's reach there, a window's is not (0.1-1 s without run
-        variables), and it moves dozens of records at once where the searches' moves
-        are one to six: on the bench's 256-record DAG at 70% of save()'s peak, 1.356 ->
-        1.142 predicted µs (the best plan known before, from an offline search: 1.144).
+        compared already) up to its `MAX_RECORDS`. The whole ILP is out of HiGHS's
+        reach there, a window's is not (0.1-1 s without run variables), and it moves
+        dozens of records at once where the searches' moves are one to six: on the
+        bench's 256-record DAG at 70% of save()'s peak, 1.356 -> 1.142 predicted µs
+        (the best plan known before, from an offline search: 1.144).
         Returns the plans that beat the fastest, scored like the others."""
         from tapegrad.policies import _planner_ilp_joint as J
 
