@@ -37,11 +37,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 # XLA:CPU compiles a small program about 30% faster with its older loop emitters than with
-# its MLIR fusion emitters (the default since jax 0.5), and compiling is most of this
+# its MLIR fusion emitters (the default), and compiling is most of this
 # suite's time: tests/rules/test_elementwise.py and tests/oracle/test_control.py take
 # 97 s instead of 139 s on 2 cores. Both sides of every comparison (tapegrad and jax's own
 # gradient) run the same code generator; what the tests check is tapegrad's programs, not
-# XLA's code generation. XLA aborts on a flag it does not know, so it is set only on the
+# XLA's code generation. XLA aborts on a flag it does not know, and newer ones dropped this
+# one (tests/rules/test_check_grads_sweep.py probes it per program), so it is set only on the
 # jaxlib this was measured with, and never over a choice already in XLA_FLAGS. It must be
 # in the environment before jax starts its backend; subprocess tests inherit it.
 if importlib.metadata.version("jaxlib").startswith("0.10.") and (
@@ -172,11 +173,11 @@ def _jax_oracle(g: Callable, *args):
     """jax's answer ``g(*args)``, compiled as one program where ``g`` can be jitted.
 
     Eager ``jax.grad`` dispatches and compiles every primitive of the forward and the
-    backward on its own; one `jax.jit` of the whole transform is what dominates less
-    of a test's time (tests/oracle/test_control.py and test_models.py: 137 -> 119 s on 2 cores). Where ``g`` cannot
-    be traced abstractly (Python control flow on values, a shape from an argument, aux
-    that is not an array), it runs eagerly, as before, so an error of jax's own still
-    surfaces as jax's eager error.
+    backward on its own; one `jax.jit` of the whole transform costs less
+    (tests/oracle/test_control.py and test_models.py: 137 -> 119 s on 2 cores). Where
+    ``g`` cannot be traced abstractly (Python control flow on values, a shape from an
+    argument, aux that is not an array), it runs eagerly, as before, so an error of
+    jax's own still surfaces as jax's eager error.
     """
     try:
         return jax.jit(g)(*args)
