@@ -42,7 +42,7 @@ from typing import Any
 # 97 s instead of 139 s on 2 cores. Both sides of every comparison (tapegrad and jax's own
 # gradient) run the same code generator; what the tests check is tapegrad's programs, not
 # XLA's code generation. XLA aborts on a flag it does not know, and newer ones dropped this
-# one (tests/rules/test_check_grads_sweep.py probes it per program), so it is set only on the
+# one (tests/rules/test_check_grads_sweep.py probes it before use), so it is set only on the
 # jaxlib this was measured with, and never over a choice already in XLA_FLAGS. It must be
 # in the environment before jax starts its backend; subprocess tests inherit it.
 if importlib.metadata.version("jaxlib").startswith("0.10.") and (
