@@ -452,7 +452,10 @@ def _cond_forward(rec: Record, ins: list, res, observer) -> tuple[list, _Stored]
     idx, ops = ins[0], ins[1:]
     fwd = forwarded_ids(rec)
     n = len(rec.bodies)
-    if _concrete([idx]):
+    if _concrete([idx, *ops]):
+        # Only outside a trace: under one, the branch's residuals must leave as values
+        # (a `_Stored`'s leaves), not held in its static part, even when the index is a
+        # constant of the traced program.
         b = int(min(max(int(idx), 0), n - 1))
         child = _child(observer, rec.bodies[b])
         outs, r = _body_forward(rec.bodies[b], list(ops), res, rec, fwd, child)
@@ -525,7 +528,9 @@ def _cond_backward(rec: Record, x: list, stored: _Stored, gs: list, retain: bool
     n = len(rec.bodies)
     children: list[Any] = [None] * n
 
-    def run(b, r, ops_saved):
+    def run(b, r, ops_saved, dense=True):
+        """``dense``: zeros where the branch gives an operand no cotangent (under
+        ``lax.switch`` every branch returns the same structure); else None."""
         body = rec.bodies[b]
         for v, val in zip(body.inputs, ops_saved):
             if val is not None:
@@ -533,14 +538,14 @@ def _cond_backward(rec: Record, x: list, stored: _Stored, gs: list, retain: bool
         child = children[b] = _child(observer, body)
         in_cts = _body_backward(body, r, list(gs), retain, child)
         cts = [
-            (c if c is not None else _zeros(v)) if a else None
+            (c if c is not None or not dense else _zeros(v)) if a else None
             for c, v, a in zip(in_cts, ops_vars, act)
         ]
         return cts, _codes(child)
 
     if stored.branch is not None:
         b = stored.branch
-        cts, codes = run(b, stored.steps[0], x[1:])
+        cts, codes = run(b, stored.steps[0], x[1:], dense=False)
         if observer is not None:
             observer.add_loop(rec, children[b], codes[None], [b])
     else:

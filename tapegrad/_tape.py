@@ -364,6 +364,9 @@ class Tape:
     outputs: tuple[Var | Lit, ...]
     consts: tuple[tuple[Var, Any], ...] = ()
     active_inputs: tuple[bool, ...] = ()
+    # Per input: whether backward can give it a cotangent (it reaches a differentiated
+    # output through rules that pass one); an input that it cannot gets a symbolic zero.
+    reached: tuple[bool, ...] = ()
     in_tree: Any = field(default=None, repr=False)
     out_tree: Any = field(default=None, repr=False)
     regions: tuple[Region, ...] = ()

@@ -468,16 +468,33 @@ def _build(
     useful: set[int] = {
         o.id for o, d in zip(outs, diff) if d and isinstance(o, Var) and o.id in active
     }
-    in_bwd: list[bool] = [False] * len(b.raws)
+    # A record's input is differentiated only where a cotangent of a useful output
+    # reaches it through the record's own rule (`Rule.links`; a loop's or branch's body):
+    # an input that only a structurally zero cotangent would reach is not, and neither is
+    # whatever computes it (symbolic zeros, decided once, here: nothing is kept for it).
+    acts: dict[int, tuple[bool, ...]] = {}
+    structured: dict[int, Record] = {}
     for k in range(len(b.raws) - 1, -1, -1):
         raw = b.raws[k]
-        if any(o.id in useful for o in raw.outputs):
-            act = [isinstance(i, Var) and i.id in active for i in raw.inputs]
-            if any(act):
-                in_bwd[k] = True
-                for i, a in zip(raw.inputs, act):
-                    if a:
-                        useful.add(i.id)
+        out_useful = [o.id in useful for o in raw.outputs]
+        if not any(out_useful):
+            continue
+        act = [isinstance(i, Var) and i.id in active for i in raw.inputs]
+        if not any(act):
+            continue
+        if raw.name in STRUCTURED:
+            rec_k = _structured_record(k, raw, tuple(act), body_act[k], active, useful)
+            structured[k], act = rec_k, list(rec_k.active)
+        else:
+            links = _rule_for(raw).links
+            if links is not None:
+                reach = links(raw.params, act, out_useful)
+                act = [a and r for a, r in zip(act, reach)]
+        if any(act):
+            acts[k] = tuple(act)
+            for i, a in zip(raw.inputs, act):
+                if a:
+                    useful.add(i.id)
 
     records = []
     for k, raw in enumerate(b.raws):
@@ -486,7 +503,7 @@ def _build(
         params = MappingProxyType(raw.params)
         bind_params = compat.bind_params(raw.prim, raw.params)
         ins, outs_k = tuple(raw.inputs), tuple(raw.outputs)
-        if not in_bwd[k]:
+        if k not in acts:
             records.append(
                 Record(
                     k,
@@ -502,7 +519,7 @@ def _build(
                 )
             )
             continue
-        act_in = tuple(type(i) is Var and i.id in active and i.id in useful for i in ins)
+        act_in = acts[k]
         if raw.name in ("custom_jvp_rule", "custom_jvp_call"):
             # The rule gives no tangent for what it closes over (jax 0.11 passes such a
             # value to the call as a leading operand; jax.grad raises there too).
@@ -512,7 +529,7 @@ def _build(
                 err = ClosesOverTracer(raw.params["name"] if is_rule else call_name(raw.params))
                 raise ReverseModeError(f"{_closure_message(err)} ({frame_str(raw.source_info)})")
         if raw.name in STRUCTURED:
-            records.append(_structured_record(k, raw, act_in, body_act[k], active, useful))
+            records.append(structured[k])
             continue
         rule = _rule_for(raw)
         if rule.kind == "error":
@@ -574,6 +591,7 @@ def _build(
         outputs=tuple(outs),
         consts=tuple(b.consts),
         active_inputs=tuple(bool(a) for a in active_inputs),
+        reached=tuple(v.id in useful for v in in_vars),
         in_tree=in_tree,
         out_tree=out_tree,
         regions=tuple(b.regions),
@@ -635,6 +653,19 @@ def _structured_activity(raw: _Raw, in_act: list[bool]) -> tuple[list[bool], lis
         act[nc : nc + nk] = carry
 
 
+def _body_reach(raw: _Raw, bodies: tuple[Tape, ...]) -> list[bool]:
+    """Which inputs of a scan or cond a cotangent can reach through its bodies: a cond's
+    operand that no branch differentiates, a scan's const or scanned input its body does
+    not, a carry its body does not (after at least one step) gets a symbolic zero."""
+    if raw.name == "cond":
+        return [True] + [any(b.reached[j] for b in bodies) for j in range(len(raw.inputs) - 1)]
+    nc, nk = raw.params["num_consts"], raw.params["num_carry"]
+    reach = list(bodies[0].reached)
+    if int(raw.params["length"]) == 0:  # no step: the carries' cotangents pass straight through
+        reach[nc : nc + nk] = [True] * nk
+    return reach
+
+
 def _structured_record(k, raw: _Raw, act_in, body_act, active, useful) -> Record:
     p = raw.params
     out_diff = [o.id in useful for o in raw.outputs]
@@ -646,6 +677,7 @@ def _structured_record(k, raw: _Raw, act_in, body_act, active, useful) -> Record
         body_diff = [o.id in active for o in raw.outputs[:nk]] + out_diff[nk:]
         body_diff[:nk] = [a or d for a, d in zip(body_act[nc : nc + nk], body_diff[:nk])]
         bodies = (tape_from_jaxpr(p["jaxpr"], body_act, body_diff),)
+    act_in = tuple(a and r for a, r in zip(act_in, _body_reach(raw, bodies)))
     rec = Record(
         k,
         raw.name,

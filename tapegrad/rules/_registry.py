@@ -86,6 +86,11 @@ class Rule:
     # derived values None. A ref ``(kind, i, "positive")`` is read only where the value
     # (>= 0) is positive (relu's output: `Saved.reads_positive`).
     plain: Callable[..., tuple[Ref | PositiveRef, ...] | None] | None = None
+    # links(params, active, out_useful) -> per input, whether a cotangent of the outputs
+    # marked useful can reach it (None: every active input, when any output is useful).
+    # An input it cannot reach gets a symbolic zero, decided when the tape is built, as
+    # jax's linearize knows which tangents a custom_jvp rule reads (rules/custom_jvp.py).
+    links: Callable[..., Sequence[bool]] | None = None
 
 
 RULES: dict[str, Rule] = {}

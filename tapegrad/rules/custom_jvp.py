@@ -97,6 +97,9 @@ class Linear:
     n_res: int
     tangent_of: tuple[int, ...]  # primal operand (after the consts) of each lt output
     ct_of: tuple[int, ...]  # call output of each cotangent lt input
+    # Per lt output, the cotangent inputs (positions in ct_of) it reads: where none of
+    # them has a cotangent, that operand's cotangent is a symbolic zero.
+    reads: tuple[tuple[int, ...], ...] = ()
     # Per pattern of active inputs: the pruned jaxpr and its compiled form (at most
     # 2**inputs patterns; freed with the Linear when `_LINEAR` evicts it).
     pruned: dict = field(default_factory=dict, repr=False)
@@ -409,7 +412,8 @@ def _linear_for(lin, n_res: int, nz_in: list[int], ct_of: list[int]) -> Linear:
     found = _LINEAR.get(key) if key is not None else None
     if found is not None:
         return found
-    out = Linear(_transpose(lin, n_res), n_res, tuple(nz_in), tuple(ct_of))
+    lt = _transpose(lin, n_res)
+    out = Linear(lt, n_res, tuple(nz_in), tuple(ct_of), _reads(lt, n_res, len(ct_of)))
     if key is not None:
         _LINEAR.put(key, out, array_bytes(out.lt.consts))
     return out
@@ -424,6 +428,16 @@ def _structure_key(lin, n_res: int, nz_in: list[int], ct_of: list[int]) -> Any:
     except (NoKey, TypeError, ValueError):
         return None
     return key
+
+
+def _reads(lt, n_res: int, n_cts: int) -> tuple[tuple[int, ...], ...]:
+    """Per output of the transposed rule, the cotangent inputs it depends on."""
+    n_out = len(lt.jaxpr.outvars)
+    reads = []
+    for i in range(n_out):
+        _, used = compat.dce_jaxpr(lt.jaxpr, [o == i for o in range(n_out)])
+        reads.append(tuple(k for k in range(n_cts) if used[n_res + k]))
+    return tuple(reads)
 
 
 def _transpose(lin, n_res: int):
@@ -450,6 +464,23 @@ def _transpose(lin, n_res: int):
 def _active_tangents(exp: Expansion, active: Sequence[bool]) -> tuple[bool, ...]:
     nc = exp.call_params["num_consts"]
     return tuple(bool(active[nc + i]) for i in exp.linear.tangent_of)
+
+
+def _reached(lin: Linear, act: Sequence[bool], has_ct: Sequence[bool]) -> tuple[bool, ...]:
+    """``act`` (per lt output) narrowed to the tangents a cotangent reaches: ``has_ct``
+    says, per call output, whether it has one (jax's linearize sees the same zeros: a
+    tangent the rule's output tangents do not read gets none)."""
+    return tuple(a and any(has_ct[lin.ct_of[k]] for k in r) for a, r in zip(act, lin.reads))
+
+
+def _links(p, active, out_useful) -> list[bool]:
+    # The consts keep their activity: differentiating one is an error (`_trace`).
+    exp: Expansion = p["rule"]
+    nc = exp.call_params["num_consts"]
+    reach = list(active[:nc]) + [False] * (len(active) - nc)
+    for i, a in zip(exp.linear.tangent_of, _reached(exp.linear, [True] * len(active), out_useful)):
+        reach[nc + i] = a
+    return reach
 
 
 def _pruned(linear: Linear, act: tuple[bool, ...]) -> tuple[Any, tuple[int, ...], tuple[int, ...]]:
@@ -538,7 +569,7 @@ def _vjp(p, r, cts, active):
         nc = exp.call_params["num_consts"]
         return [cts[0] if i == nc and a else None for i, a in enumerate(active)]
     lin = exp.linear
-    act = _active_tangents(exp, active)
+    act = _reached(lin, _active_tangents(exp, active), [g is not None for g in cts])
     out: list[Any] = [None] * len(active)
     if not any(act):
         return out
@@ -581,5 +612,6 @@ defrule(
         aux_avals=_aux_avals,
         kind="linearized",
         plain=_plain,
+        links=_links,
     )
 )
