@@ -17,7 +17,9 @@ a rule: it only moves values between steps.
   at a time (offload really moves each step to host as it is produced).
 * A cond with a concrete index runs the branch taken; under a trace it is a
   ``lax.switch`` whose residuals are the union over branches (zeros for the
-  branches not taken, as jax does), and backward switches on the saved index.
+  branches not taken, as jax does), and backward switches on the saved index;
+  a ``lax.platform_dependent`` cond selects by platform again, forward and
+  backward, so only the lowering platform's branch is compiled.
 """
 
 from __future__ import annotations
@@ -478,7 +480,7 @@ def _cond_forward(rec: Record, ins: list, res, observer) -> tuple[list, _Stored]
 
         return run
 
-    outs, union = _switch_union(idx, branch_fn, n, ops)
+    outs, union = _switch_union(idx, branch_fn, n, ops, rec.params.get("branches_platforms"))
     for c in range(n):
         skels[c].store = {}
         if observer is not None:
@@ -486,9 +488,10 @@ def _cond_forward(rec: Record, ins: list, res, observer) -> tuple[list, _Stored]
     return list(outs), _Stored(skel=skels, keys=keys, values=[u[0] for u in union])
 
 
-def _switch_union(idx, branch_fn, n: int, ops):
+def _switch_union(idx, branch_fn, n: int, ops, platforms=None):
     """``lax.switch`` over branches that return (outputs, extras of their own structure):
-    every branch returns the extras of all branches, zeros for the ones not taken."""
+    every branch returns the extras of all branches, zeros for the ones not taken.
+    ``platforms``: a platform_dependent cond's ``branches_platforms`` (see `_switch`)."""
     avals: list[Any] = [None] * n
 
     def typed(b):
@@ -510,7 +513,19 @@ def _switch_union(idx, branch_fn, n: int, ops):
 
         return run
 
-    return lax.switch(idx, [with_union(b) for b in range(n)], *ops)
+    return _switch(idx, [with_union(b) for b in range(n)], ops, platforms)
+
+
+def _switch(idx, fns: list, ops, platforms):
+    """``lax.switch``, or for a ``lax.platform_dependent`` cond the same selection by
+    platform again: jax lowers only the branch of the platform it compiles for, whereas a
+    switch on the saved index would compile every branch (and its backward) into the
+    program, where another platform's branch may not even lower."""
+    if platforms is None:
+        return lax.switch(idx, fns, *ops)
+    per = {p: fn for ps, fn in zip(platforms, fns) if ps is not None for p in ps}
+    default = fns[-1] if platforms[-1] is None else None
+    return lax.platform_dependent(*ops, default=default, **per)
 
 
 def _zeros_like_aval(aval):
@@ -557,7 +572,8 @@ def _cond_backward(rec: Record, x: list, stored: _Stored, gs: list, retain: bool
 
             return f
 
-        cts, union = _switch_union(x[0], bwd, n, (stored.values, list(x[1:])))
+        platforms = rec.params.get("branches_platforms")
+        cts, union = _switch_union(x[0], bwd, n, (stored.values, list(x[1:])), platforms)
         if observer is not None:
             for c in range(n):
                 observer.add_loop(rec, children[c], union[c][None], [c])
