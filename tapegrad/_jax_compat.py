@@ -162,7 +162,9 @@ def custom_vjp_forward(params: dict, args: list, active: list[bool]):
     num_res_out = len(res_and_out) - len(params["call_jaxpr"].out_avals)
     res_out, outs = res_and_out[:num_res_out], res_and_out[num_res_out:]
     it = iter(res_out)
-    res = [next(it) if f is None else primals[f] for f in input_fwds]
+    # input_fwds index all the call's operands, its leading constants included, as in
+    # jax's JVP of the call (``primals_in[f]`` in ad.py's process_custom_vjp_call).
+    res = [next(it) if f is None else args[f] for f in input_fwds]
     del consts
     return list(outs), res
 
@@ -177,6 +179,14 @@ def custom_vjp_backward(params: dict, res: list, cts: list) -> list:
         (jax.numpy.asarray(c) if isinstance(c, SCALARS) else c) if _is_array_like(c) else None
         for c in out
     ]
+
+
+def bwd_checks_disabled() -> bool:
+    """Whether ``jax.config.disable_bwd_checks`` is on: jax then passes a custom bwd rule's
+    cotangents on whatever their shape (no public reader of that config state)."""
+    from jax._src import config as _config
+
+    return bool(_config.disable_bwd_checks.value)
 
 
 # jax 0.11 added ``defvjp_with_logs``; from then on a custom_vjp's flattened backward

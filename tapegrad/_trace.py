@@ -29,7 +29,7 @@ from tapegrad._fused import NoKey, value_key
 from tapegrad._loops import outer_saves
 from tapegrad._record import is_concrete, record_jaxpr
 from tapegrad._tape import Lit, Record, Region, Saved, Tape, Var, as_dtype
-from tapegrad.errors import ReverseModeError
+from tapegrad.errors import ClosedOverTracerError, ReverseModeError
 from tapegrad.rules import FALLBACK, NONDIFF, WHILE_ERROR, lookup
 from tapegrad.rules.custom_jvp import ClosesOverTracer, call_name, expand_custom_jvp
 
@@ -253,8 +253,16 @@ def trace_flat(
         tape, top_lits = _build(closed, active_inputs, diff, in_tree, out_tree, top=True)
     except ClosesOverTracer as e:
         if recorded or not is_concrete(flat_args):
-            raise ReverseModeError(_closure_message(e)) from None
+            raise ClosedOverTracerError(_closure_message(e)) from None
         # Recorded, the rule closes over concrete values instead of a finished trace's.
+        return trace_flat(
+            flat_fun, flat_args, active_inputs, diff, in_tree, out_tree_fn, None, True
+        )
+    except compat.NEEDS_CONCRETE:
+        # A custom_vjp's fwd branching on values (`if x > 0:`) is traced only here, where
+        # its residuals are counted: jax.grad runs it eagerly, and so does the recording.
+        if recorded or not is_concrete(flat_args):
+            raise
         return trace_flat(
             flat_fun, flat_args, active_inputs, diff, in_tree, out_tree_fn, None, True
         )
@@ -527,7 +535,9 @@ def _build(
             nc = (raw.params["rule"].call_params if is_rule else raw.params)["num_consts"]
             if any(act_in[:nc]):
                 err = ClosesOverTracer(raw.params["name"] if is_rule else call_name(raw.params))
-                raise ReverseModeError(f"{_closure_message(err)} ({frame_str(raw.source_info)})")
+                raise ClosedOverTracerError(
+                    f"{_closure_message(err)} ({frame_str(raw.source_info)})"
+                )
         if raw.name in STRUCTURED:
             records.append(structured[k])
             continue

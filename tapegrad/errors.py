@@ -7,8 +7,11 @@ record and the user's source line, and say what to do.
 
 from __future__ import annotations
 
+import jax
+
 __all__ = [
     "ReverseModeError",
+    "ClosedOverTracerError",
     "TapegradError",
     "NonDifferentiableError",
     "ResidualError",
@@ -34,6 +37,16 @@ class NonDifferentiableError(TapegradError, TypeError):
 class ReverseModeError(NonDifferentiableError, ValueError):
     """A primitive jax can differentiate forward but not in reverse (``while`` with a
     dynamic trip count). Also a ValueError, the type jax raises for the same code."""
+
+
+class ClosedOverTracerError(ReverseModeError, jax.errors.UnexpectedTracerError):
+    """A custom rule closes over a value traced inside the differentiated function, which
+    only the trace that made it can differentiate. Also jax's ``UnexpectedTracerError``,
+    what `jax.grad` raises for the same code."""
+
+    def __init__(self, message: str):
+        page = "https://docs.jax.dev/en/latest/errors.html#jax.errors.UnexpectedTracerError"
+        TypeError.__init__(self, f"Encountered an unexpected tracer. {message}\nSee {page}")
 
 
 class ResidualError(TapegradError, RuntimeError):

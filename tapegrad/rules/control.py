@@ -42,15 +42,17 @@ def _save_var_inputs(p, ins, outs, active):
     return tuple(("in", i) for i, v in enumerate(ins) if not isinstance(v, Lit))
 
 
-def primitive_vjp(rec, vals: list, idx: list[int]):
-    """`jax.vjp` of ``rec``'s primitive in its inputs ``idx``, the others fixed at ``vals``:
-    what the generic rule runs in backward (and `memory_report` estimates abstractly)."""
+def primitive_vjp(rec, vals: list, idx: list[int], outs: list[int] | None = None):
+    """`jax.vjp` of ``rec``'s primitive in its inputs ``idx``, the others fixed at ``vals``,
+    of its outputs ``outs`` (default: all): what the generic rule runs in backward (and
+    `memory_report` estimates abstractly)."""
 
     def f(*act):
         full = list(vals)
         for i, v in zip(idx, act):
             full[i] = v
-        return _bind(rec, full)
+        ys = _bind(rec, full)
+        return ys if outs is None else [ys[k] for k in outs]
 
     return jax.vjp(f, *[vals[i] for i in idx])
 
@@ -59,12 +61,15 @@ def _vjp_of_primitive(p, r, cts, active):
     rec = r.record
     vals = [r.x[i] if r.x[i] is not None else rec.inputs[i].value for i in range(len(rec.inputs))]
     idx = [i for i, a in enumerate(active) if a]
-    _, f_vjp = primitive_vjp(rec, vals, idx)
-    full_cts = [c if c is not None else _zero_ct(o) for c, o in zip(cts, rec.outputs)]
-    in_cts = f_vjp(full_cts)
+    # Only the outputs that received a cotangent: jax then holds the others as symbolic
+    # zeros, as its own reverse mode does (a custom_vjp's bwd sees a SymbolicZero there).
+    outs = [k for k, c in enumerate(cts) if c is not None]
+    _, f_vjp = primitive_vjp(rec, vals, idx, outs)
+    in_cts = f_vjp([cts[k] for k in outs])
     out: list[Any] = [None] * len(rec.inputs)
     for i, c in zip(idx, in_cts):
-        out[i] = c
+        # A custom rule may return a Python scalar (``lambda g: (2.,)``), as jax allows.
+        out[i] = jax.numpy.asarray(c) if isinstance(c, compat.SCALARS) else c
     return out
 
 
@@ -83,10 +88,10 @@ def _cvjp_avals(p, ins, outs, active):
 
 
 def _cvjp_res_avals(p, ins, active):
-    n = p["num_consts"]
     res_avals, input_fwds = compat.custom_vjp_residual_avals(dict(p), list(active))
     it = iter(res_avals)
-    return [next(it) if f is None else ins[n + f] for f in input_fwds]
+    # jax's input_fwds already count the call's leading constants (pe's out_trees_).
+    return [next(it) if f is None else ins[f] for f in input_fwds]
 
 
 def _cvjp_saves(p, ins, outs, active):
