@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
+from types import MappingProxyType
 from typing import Any
 
 import jax
@@ -55,6 +56,7 @@ class Residuals:
         "loops",
         "steps",
         "readers",
+        "sources",
     )
 
     def __init__(self, policy):
@@ -73,6 +75,8 @@ class Residuals:
         self.steps: tuple = ()  # this run's step index in each of them (see ResidualInfo)
         # residual key -> every (record, Saved) keeping it (ResidualInfo.readers)
         self.readers: dict[Any, tuple] = {}
+        # record index -> a device_put's operands' placements, seen in forward (`_placed`)
+        self.sources: dict[int, tuple] = {}
 
 
 def _bind(rec: Record, ins: list) -> list:
@@ -174,6 +178,15 @@ def _rule_body(rule, rec: Record, x, y, aux, gs) -> list:
     ]
 
 
+def _placed(rec: Record, res: Residuals) -> Record:
+    """``rec`` with the placements its forward saw: a device_put traced abstractly has no
+    ``srcs``, which jax's eager transpose reads off the concrete operands."""
+    srcs = res.sources.get(rec.index)
+    if srcs is None or srcs == tuple(rec.params["srcs"]):
+        return rec
+    return dataclasses.replace(rec, params=MappingProxyType({**rec.params, "srcs": srcs}))
+
+
 def _boundary_consumers(tape: Tape) -> dict[int, tuple[Record, int, int]]:
     """Segment input var id -> (a consuming record, input index, number of segments using it)."""
     out: dict[int, tuple[Record, int, int]] = {}
@@ -272,6 +285,8 @@ def forward(
             outs, derived = _run(rec, ins)  # type: ignore[assignment]
         if observer is not None:
             observer.forward_record(rec, ins, outs)
+        if rec.primitive == "device_put" and rec.rule != "none":
+            res.sources[rec.index] = compat.device_put_sources(rec.params, ins)
         for o, val in zip(rec.outputs, outs):
             env[o.id] = val
             if o.id in boundary:
@@ -611,7 +626,7 @@ def backward(
                 in_cts = loop_backward(rec, x, stored, gs, retain, observer)
             else:
                 rule = lookup(rec.primitive) or FALLBACK
-                in_cts = _apply_rule(rule, rec, x, y, aux, gs)
+                in_cts = _apply_rule(rule, _placed(rec, res), x, y, aux, gs)
             if observer is not None:
                 observer.backward_record(rec, gs, in_cts)
             del x, y, aux

@@ -14,6 +14,7 @@ attached values are plain leading invars (`tapegrad.rules.custom_jvp._split`).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -388,3 +389,78 @@ def trace_is_alive(tracer: Any) -> bool:
     trace = getattr(tracer, "_trace", None)
     with take_current_trace() as current:
         return trace is current and (trace is None or trace.is_valid())
+
+
+# ----------------------------------------------------------- placement
+# jax's transposes move cotangents between placements: a jit's (`_pjit_transpose`) gives
+# its outputs' cotangents the jit's out_shardings and its inputs' cotangents its
+# in_shardings; device_put's (`_device_put_transpose`) sends a cotangent back to where
+# the value came from. The tape keeps both (`tapegrad.rules.structural`).
+device_put_p = jex_prims.device_put_p
+sharding_constraint_p = jex_prims.sharding_constraint_p
+
+
+def call_shardings(params: dict) -> tuple[tuple, tuple]:
+    """(in, out) shardings of an inlined call: each a concrete `Sharding`, or None where
+    the call leaves it to propagation (UNSPECIFIED, AUTO) or is no jit at all."""
+
+    def concrete(shardings) -> tuple:
+        return tuple(s if isinstance(s, jax.sharding.Sharding) else None for s in shardings)
+
+    return concrete(params.get("in_shardings", ())), concrete(params.get("out_shardings", ()))
+
+
+def constraint_params(sharding: Any, aval: Any, params: dict) -> dict | None:
+    """Params of a sharding_constraint of a value of type ``aval`` to ``sharding``, for a
+    jit with ``params``; None where no constraint is needed. A value typed on a mesh with
+    Explicit axes carries its sharding in its type: jax's with_sharding_constraint leaves
+    such a value as it is, and so do we. Outside any mesh context (a value typed on no
+    mesh) it is constrained physically, as the jit's own shardings do, on the mesh's
+    devices as Auto axes: typing it on the Explicit mesh would clash with the avals
+    downstream, which carry no mesh."""
+    ctx_mesh = params.get("ctx_mesh", jax.sharding.get_abstract_mesh())
+    mesh = getattr(sharding, "mesh", None)
+    if isinstance(mesh, jax.sharding.Mesh) and jax.sharding.AxisType.Explicit in mesh.axis_types:
+        if not aval.sharding.mesh.empty or not ctx_mesh.empty:
+            return None
+        auto = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+        mesh = jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
+        sharding = sharding.update(mesh=mesh)
+    return {
+        "sharding": sharding,
+        "layout": None,
+        "context_mesh": ctx_mesh,
+        "unconstrained_dims": frozenset(),
+    }
+
+
+def device_put_sources(params: Any, ins: Sequence[Any]) -> tuple:
+    """device_put's ``srcs``, filled in as jax's `device_put` does from the operands it
+    sees (`_infer_src_sharding`): a concrete array's sharding, host memory for a traced
+    value that lives there. The tape was traced abstractly, so its ``srcs`` lack them."""
+    out = []
+    for src, x in zip(params["srcs"], ins):
+        # An abstract-mesh source is the traced operand's type (Explicit axes in a mesh
+        # context): jax, eager, would have read the concrete array's sharding instead.
+        abstract = isinstance(getattr(src, "mesh", None), jax.sharding.AbstractMesh)
+        if (
+            (src is None or abstract)
+            and isinstance(x, jax.Array)
+            and not isinstance(x, _core.Tracer)
+        ):
+            src = x.sharding
+        elif src is None and getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host:
+            src = jax.memory.Space.Host
+        out.append(src)
+    return tuple(out)
+
+
+def device_put_back(cts: Sequence[Any], params: Any) -> list:
+    """device_put's transpose: each cotangent goes to its operand's source (``srcs``).
+    A donated operand is not donated back (jax raises there); every copy back copies."""
+    sems = tuple(type(c).ALWAYS_COPY for c in params["copy_semantics"])
+    return list(
+        device_put_p.bind(
+            *cts, devices=tuple(params["srcs"]), srcs=tuple(params["devices"]), copy_semantics=sems
+        )
+    )

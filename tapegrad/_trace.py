@@ -116,7 +116,10 @@ class _Builder:
             if name in compat.INLINE_CALLS:
                 sub = compat.sub_jaxpr(eqn.params)
                 assert sub is not None  # every INLINE_CALLS primitive carries its callee
+                in_s, out_s = compat.call_shardings(eqn.params)
+                ins = self.constrain(ins, sub.jaxpr.invars, in_s, eqn.params, src, region)
                 outs = self.convert(sub.jaxpr, sub.consts, ins, region, src)
+                outs = self.constrain(outs, eqn.outvars, out_s, eqn.params, src, region)
                 for v, o in zip(eqn.outvars, outs):
                     env[v] = o
                 continue
@@ -156,6 +159,23 @@ class _Builder:
             params = compat.eqn_params(name, eqn.params)
             self.raws.append(_Raw(eqn.primitive, name, params, ins, outs, src, region, names))
         return [read(v) for v in jaxpr.outvars]
+
+    def constrain(self, vals, jvars, shardings, params, src, region) -> list[Var | Lit]:
+        """``vals`` through a sharding_constraint record wherever the inlined call names a
+        concrete sharding: the call's in/out shardings stay on the tape, so values and,
+        through the constraint's rule, cotangents are placed as jax places them (its
+        transpose of a jit gives input cotangents the in_shardings, output cotangents
+        the out_shardings). ``jvars``: the call's variables there, for the avals."""
+        out = list(vals)
+        for k, (x, v, s) in enumerate(zip(vals, jvars, shardings)):
+            p = None if s is None else compat.constraint_params(s, v.aval, params)
+            if p is None:
+                continue
+            y = self.new_var(v.aval)
+            prim = compat.sharding_constraint_p
+            self.raws.append(_Raw(prim, "sharding_constraint", p, [x], [y], src, region))
+            out[k] = y
+        return out
 
 
 # Equations never merged with an equal one: copies and transfers (a second copy may be

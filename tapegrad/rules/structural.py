@@ -1,4 +1,4 @@
-"""Shape and layout primitives: all linear, none saves anything."""
+"""Shape, layout and placement primitives: all linear, none saves anything."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 from jax import lax
 
 from tapegrad import _jax_compat as compat
-from tapegrad.rules._registry import deflinear
+from tapegrad.rules._registry import Rule, deflinear, defrule
 
 
 def _broadcast_in_dim(g, r, p):
@@ -53,3 +53,26 @@ deflinear(
     ),
 )
 deflinear("name", lambda g, r, p: g)
+
+
+# Placement, as jax's transposes do it. A constraint (an inlined jit's in/out shardings)
+# puts the cotangent where it put the value.
+deflinear("sharding_constraint", lambda g, r, p: compat.sharding_constraint_p.bind(g, **p))
+
+
+def _device_put_vjp(p, r, cts, active):
+    # Operand i's cotangent is output i's, sent back to where operand i came from: the
+    # interpreter fills ``srcs`` from the forward operands (`compat.device_put_sources`).
+    live = [i for i, (a, g) in enumerate(zip(active, cts)) if a and g is not None]
+    if not live:
+        return [None] * len(active)
+    keep = {k: tuple(p[k][i] for i in live) for k in ("srcs", "devices", "copy_semantics")}
+    out = [None] * len(active)
+    for i, ct in zip(live, compat.device_put_back([cts[i] for i in live], keep)):
+        out[i] = ct
+    return out
+
+
+# kind "transfer": run op by op, never as one jitted rule, since a jitted call cannot
+# move a value off its device set (a cotangent back from 8 devices to one).
+defrule(Rule("device_put", lambda p, ins, outs, active: (), _device_put_vjp, kind="transfer"))
