@@ -338,6 +338,8 @@ def _pack(res: Residuals, rec: Record, key, s, value, segment_input: bool = Fals
     res.infos[key] = dataclasses.replace(info, steps=()) if res.steps else info
     if info.is_input and not packs_inputs(res.policy):
         return value  # the caller holds it: a packed copy would add memory and free none
+    if isinstance(value, compat.SCALARS):
+        return value  # a custom_vjp's Python residual (a bool flag): no array to move
     try:
         return res.policy.pack(value, info)
     except Exception as e:
@@ -400,7 +402,12 @@ def _unpack(res: Residuals, rec: Record, key, s, after=()):
         # to ``after`` (cotangents of the backward step that asks for it), the copy
         # starts there and overlaps the records up to its reader.
         packed = lax.optimization_barrier((packed, tuple(after)))[0]
-    if res.plain or key in res.raw or (res.infos[key].is_input and not packs_inputs(res.policy)):
+    if (
+        res.plain
+        or key in res.raw
+        or isinstance(packed, compat.SCALARS)  # kept as it was (`_pack`)
+        or (res.infos[key].is_input and not packs_inputs(res.policy))
+    ):
         value = packed
     else:
         info = res.infos[key]

@@ -223,3 +223,25 @@ def test_the_diffrax_pattern_a_loop_under_custom_vjp_holding_nested_branches():
     assert_trees_close(jax.jit(tg.grad(f))(X), want, 1e-5, 1e-5)
     assert_trees_close(tg.grad(f)(X), want, 1e-5, 1e-5)
     np.testing.assert_allclose(np.asarray(tg.grad(f)(X)), np.asarray(want), rtol=1e-5)
+
+
+def test_a_python_residual_of_a_custom_vjp_passes_any_policy_unchanged():
+    # equinox's checkpointed while_loop keeps Python bools (a filter spec) as residuals:
+    # no policy moves or compresses them, and bwd gets them back as they were.
+    @jax.custom_vjp
+    def f(x):
+        return jnp.sin(x)
+
+    def fwd(x):
+        return jnp.sin(x), (x, True)
+
+    def bwd(res, g):
+        x, flag = res
+        assert flag is True, flag
+        return (jnp.cos(x) * g,)
+
+    f.defvjp(fwd, bwd)
+    loss = lambda x: jnp.sum(f(x) ** 2)
+    want = jax.grad(loss)(X)
+    for policy in (tg.policies.offload(), tg.policies.compress(jnp.bfloat16)):
+        assert_trees_close(tg.grad(loss, policy=policy)(X), want, 1e-2, 1e-2)

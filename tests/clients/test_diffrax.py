@@ -68,21 +68,13 @@ def case(name: str) -> Case:
     return CASES[name]()
 
 
-NESTED_CONDS = "jit(tg.grad): ResidualError, backward run twice through a tape (nested conds)"
-FILTER_SPEC = "offload: eqxi checkpointed while_loop's bwd gets a non-bool filter_spec"
-
 PLANNER_ABOVE_SAVE = (
     "budget: the planner's least peak exceeds the peak save() itself reaches (memory_report)"
 )
 
 XFAIL = {
-    ("constant-recursive", "jit"): NESTED_CONDS,
-    ("adaptive-recursive", "jit"): NESTED_CONDS,
-    ("constant-direct", "jit"): NESTED_CONDS,
     ("constant-direct", "memory"): "memory_report counts 4 B fewer than del vjp_fn frees",
     ("adaptive-backsolve", "budget"): PLANNER_ABOVE_SAVE,
-    ("constant-recursive", "offload"): FILTER_SPEC,
-    ("adaptive-recursive", "offload"): FILTER_SPEC,
 }
 
 

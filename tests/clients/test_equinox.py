@@ -86,11 +86,7 @@ def case(name: str) -> Case:
     return CASES[name]()
 
 
-XFAIL = {
-    ("while_loop-checkpointed", "offload"): (
-        "offload: the checkpointed while_loop's custom_vjp bwd gets a non-bool filter_spec"
-    ),
-}
+XFAIL: dict = {}
 
 
 SLOW = {("nn-conv-layernorm-mlp", "eager"), ("nn-conv-layernorm-mlp", "budget")}

@@ -61,15 +61,7 @@ def case(name: str) -> Case:
     return CASES[name]()
 
 
-UNEXPECTED_COTANGENT = (
-    "RuntimeError: Unexpected cotangent: a structurally zero cotangent reaches equinox's "
-    "nondifferentiable_backward"
-)
-XFAIL = {
-    (name, mode): UNEXPECTED_COTANGENT
-    for name in CASES
-    for mode in ("eager", "jit", "offload", "budget")
-}
+XFAIL: dict = {}
 
 
 SLOW = {("minimise-bfgs", "budget"), ("root_find-newton", "budget")}
