@@ -15,7 +15,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
 
 import tapegrad as tg
-from tests.conftest import assert_trees_close
+from conftest import assert_trees_close
 
 # A primitive like equinox's nondifferentiable_backward: identity forward, linear in its
 # tangent, and a transpose that raises on any cotangent (safe in jax only because a

@@ -298,6 +298,17 @@ CASES: list[Case] = [
         fd=False,  # float16 steps are far wider than the finite-difference step
     ),
     C("copy", "copy", lambda x: jnp.copy(x) * x, dtypes=ALL),
+    # placement: linear in the value (one device here; tests/test_placement.py has meshes)
+    C("device_put", "to_device", lambda x: jax.device_put(x, jax.devices()[0]) * x, dtypes=ALL),
+    C(
+        "sharding_constraint",
+        "single_device",
+        lambda x: lax.with_sharding_constraint(
+            jnp.sin(x), jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        )
+        * x,
+        dtypes=ALL,
+    ),
     C(
         "reduce_precision",
         "bf16_bits",
