@@ -95,6 +95,21 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+# The quick tier (`pytest -m "not slow"`): the tests listed in slow_tests.txt, chosen by
+# tests/_tier.py from a timed run of the whole suite, are marked slow.
+_SLOW_LIST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "slow_tests.txt")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not os.path.exists(_SLOW_LIST):
+        return
+    with open(_SLOW_LIST) as f:
+        slow = {line.strip() for line in f if line.strip()}
+    for item in items:
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_terminal_summary(terminalreporter):
     """Print the ``("summary", text)`` user properties that tests recorded
     (e.g. how many random programs test_hypothesis tried). User properties
