@@ -10,12 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import assert_trees_close
 from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
 
 import tapegrad as tg
-from conftest import assert_trees_close
 
 # A primitive like equinox's nondifferentiable_backward: identity forward, linear in its
 # tangent, and a transpose that raises on any cotangent (safe in jax only because a

@@ -303,10 +303,12 @@ CASES: list[Case] = [
     C(
         "sharding_constraint",
         "single_device",
-        lambda x: lax.with_sharding_constraint(
-            jnp.sin(x), jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        )
-        * x,
+        lambda x: (
+            lax.with_sharding_constraint(
+                jnp.sin(x), jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            )
+            * x
+        ),
         dtypes=ALL,
     ),
     C(
