@@ -26,9 +26,9 @@ import jax
 import numpy as np
 
 from tapegrad import _jax_compat as compat
+from tapegrad._policy import SAVE, is_exact, keeps_exact
 from tapegrad._rebuild import RANDOM, rebuilt_records, shared_in_body, switched
 from tapegrad._tape import Record, Segment, Tape, Var
-from tapegrad.policies._base import SAVE, is_exact, keeps_exact
 
 __all__ = [
     "CheckpointPolicy",

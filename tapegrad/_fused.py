@@ -313,7 +313,7 @@ def _compiled_for(key: tuple, tape: Tape, ct_dtype: Any, capture_ids: tuple) -> 
 
 def _grad_body(tape: Tape, ct_dtype: Any, capture_ids: tuple):
     from tapegrad._interpret import backward, forward
-    from tapegrad.policies._base import SAVE
+    from tapegrad._policy import SAVE
 
     passthrough = {v.id for v in tape.inputs} | {v.id for v, _ in tape.consts}
 

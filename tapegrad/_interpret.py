@@ -26,10 +26,9 @@ from tapegrad import _jax_compat as compat
 from tapegrad._caches import BoundedCache
 from tapegrad._fused import NoKey, segment_call, value_key
 from tapegrad._loops import loop_backward, loop_forward
+from tapegrad._policy import SAVE, ResidualInfo, is_plain, packs_inputs, resolve_prefetch
 from tapegrad._tape import Lit, Record, Saved, Segment, Tape, Var, as_dtype
 from tapegrad.errors import ResidualError, where
-from tapegrad.policies._base import SAVE, ResidualInfo, is_plain, packs_inputs
-from tapegrad.policies._cost import resolve_prefetch
 from tapegrad.rules import FALLBACK, Res, lookup
 
 __all__ = ["Residuals", "forward", "backward"]

@@ -690,7 +690,7 @@ def _leaves(vals: Sequence[Any]) -> list:
 
 def _segmented_forward(rec: Record, ins: list, res) -> tuple[list, _Segmented]:
     from tapegrad._interpret import forward
-    from tapegrad.policies._base import SAVE
+    from tapegrad._policy import SAVE
 
     p, body = rec.params, rec.bodies[0]
     nc, nk = p["num_consts"], p["num_carry"]

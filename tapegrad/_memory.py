@@ -28,9 +28,8 @@ from tapegrad._memory_unseen import (
     unseen_notes,
     vjp_residual_bytes,
 )
+from tapegrad._policy import is_plain, resolve_policy, resolve_prefetch
 from tapegrad._tape import Record, Tape, array_nbytes, as_dtype, loop_bytes
-from tapegrad.policies._base import is_plain, resolve_policy
-from tapegrad.policies._cost import resolve_prefetch
 from tapegrad.policies.budget import Budget, segment_flops
 
 __all__ = ["MemoryReport", "RecordMemory", "UnseenBackward", "memory_report", "vjp_residual_bytes"]

@@ -16,8 +16,8 @@ from types import MappingProxyType
 
 import numpy as np
 
+from tapegrad._policy import ResidualInfo
 from tapegrad._tape import Record, Saved, Tape, Var
-from tapegrad.policies._base import ResidualInfo
 from tapegrad.rules._bits import mask_aval
 from tapegrad.rules._registry import keeping_operands
 

@@ -157,7 +157,7 @@ def revolve_forward(rec: Record, ins: list, res) -> tuple[list, Any]:
     and the last step's residuals (packed through ``res.policy``)."""
     from tapegrad import _loops as L
     from tapegrad._interpret import forward
-    from tapegrad.policies._base import SAVE
+    from tapegrad._policy import SAVE
 
     p, body = rec.params, rec.bodies[0]
     nc, nk = p["num_consts"], p["num_carry"]
@@ -219,7 +219,7 @@ def revolve_backward(rec: Record, x: list, st: Any, gs: list, retain: bool) -> l
     then the plan's actions (restore/store snapshots, advance or turn one step)."""
     from tapegrad import _loops as L
     from tapegrad._interpret import forward
-    from tapegrad.policies._base import SAVE
+    from tapegrad._policy import SAVE
 
     p, body = rec.params, rec.bodies[0]
     nc, nk = p["num_consts"], p["num_carry"]

@@ -22,9 +22,9 @@ from tapegrad import passes as _passes
 from tapegrad._checkpoint import plan_recompute
 from tapegrad._fused import run_grad
 from tapegrad._interpret import Residuals, backward, forward
+from tapegrad._policy import is_plain, resolve_policy
 from tapegrad._tape import Tape
 from tapegrad._trace import trace_flat
-from tapegrad.policies._base import is_plain, resolve_policy
 
 __all__ = ["grad", "value_and_grad", "vjp", "trace"]
 

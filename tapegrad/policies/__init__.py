@@ -3,8 +3,7 @@
 A policy is any object with ``pack(value, info)`` and ``unpack(packed, info)``.
 """
 
-from tapegrad.policies._allocate import BitAllocation
-from tapegrad.policies._base import (
+from tapegrad._policy import (
     ResidualInfo,
     ResidualPolicy,
     Save,
@@ -12,12 +11,12 @@ from tapegrad.policies._base import (
     disable_saved_tensors_hooks,
     residual_policy,
     save,
-    saved_tensors_hooks,
 )
+from tapegrad.policies._allocate import BitAllocation
 from tapegrad.policies._cost import CostModel, calibrate
 from tapegrad.policies.budget import Budget, BudgetError, budget
 from tapegrad.policies.compress import Compress, Int8, compress
-from tapegrad.policies.hooks import Hooks, Route, hooks, route
+from tapegrad.policies.hooks import Hooks, Route, hooks, route, saved_tensors_hooks
 from tapegrad.policies.loops import ScanCheckpoint, scan_checkpoint
 from tapegrad.policies.offload import Offload, offload
 

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tapegrad.policies._base import as_array
+from tapegrad._policy import as_array
 from tapegrad.policies._lowbit import (
     lowbit_layout,
     pack_lowbit,

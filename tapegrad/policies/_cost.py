@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from tapegrad._policy import register_auto_prefetch
 from tapegrad._tape import Var, itemsize
 
 __all__ = [
@@ -39,7 +40,6 @@ __all__ = [
     "default_costs",
     "device_nbytes",
     "prefetch_depth",
-    "resolve_prefetch",
 ]
 
 # Lossless first; ``max_error=c`` allows every class up to c.
@@ -299,13 +299,7 @@ def prefetch_depth(tape: Any, costs: CostModel | None = None) -> int:
 _DEPTHS: weakref.WeakKeyDictionary[Any, dict[CostModel, int]] = weakref.WeakKeyDictionary()
 
 
-def resolve_prefetch(policy: Any, tape: Any) -> int:
-    """A policy's ``prefetch`` on ``tape``: an int as it is, ``"auto"`` from the cost
-    model (`prefetch_depth` with the policy's ``costs``, else the backend's)."""
-    p = getattr(policy, "prefetch", 0)
-    if p == "auto":
-        return prefetch_depth(tape, getattr(policy, "costs", None))
-    return int(p or 0)
+register_auto_prefetch(prefetch_depth)
 
 
 def compressed_nbytes(

@@ -72,8 +72,8 @@ def measured_peak(
     """Peak device bytes of residuals (and what backward recomputes or unpacks) over an
     eager forward and backward of ``fun(*args)`` under ``policy``, on the first device."""
     from tapegrad import _interpret
+    from tapegrad._policy import resolve_policy
     from tapegrad._transforms import _argnums_tuple, _leaf_owners, _Traced
-    from tapegrad.policies._base import resolve_policy
 
     pol = resolve_policy(policy)
     nums = _argnums_tuple(argnums, len(args), "measured_peak")

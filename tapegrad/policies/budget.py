@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from tapegrad._policy import resolve_prefetch
 from tapegrad._tape import Record, Tape
 from tapegrad.errors import TapegradError
 from tapegrad.policies._cost import (
@@ -38,7 +39,6 @@ from tapegrad.policies._cost import (
     MECHANISMS,
     device_nbytes,
     prefetch_depth,
-    resolve_prefetch,
 )
 
 __all__ = ["Budget", "budget", "estimate", "BudgetError", "record_flops"]
@@ -166,7 +166,7 @@ class Budget:
         costs: Any = None,
         key: Any = None,
     ):
-        from tapegrad.policies._base import SAVE, is_exact
+        from tapegrad._policy import SAVE, is_exact
 
         if bytes < 0:
             raise ValueError(f"budget: bytes must be >= 0, got {bytes}")
@@ -950,7 +950,7 @@ def _packed_by(packed: Any, info: Any, base: Any) -> str | None:
     import jax
     import numpy as np
 
-    from tapegrad.policies._base import SAVE
+    from tapegrad._policy import SAVE
     from tapegrad.policies._lowbit import LowBit
     from tapegrad.policies.compress import Int8, Int8Blocks
 

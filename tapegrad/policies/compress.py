@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tapegrad.policies._base import as_array
+from tapegrad._policy import as_array
 from tapegrad.policies._groups import (
     Layout,
     dim_shards,

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tapegrad.policies._base import ResidualInfo, as_array, packs_inputs
+from tapegrad._policy import ResidualInfo, as_array, packs_inputs, residual_policy
 
-__all__ = ["Hooks", "hooks", "Route", "route"]
+__all__ = ["Hooks", "hooks", "Route", "route", "saved_tensors_hooks"]
 
 
 class Hooks:
@@ -115,3 +115,17 @@ def route(fn: Callable[[ResidualInfo], Any]) -> Route:
     ```
     """
     return Route(fn)
+
+
+def saved_tensors_hooks(
+    pack_hook: Callable[[Any], Any], unpack_hook: Callable[[Any], Any], *, inputs: bool = True
+):
+    """PyTorch's ``torch.autograd.graph.saved_tensors_hooks``: ``pack_hook(array) -> Any``,
+    ``unpack_hook(Any) -> array``, applied to every residual saved in the scope.
+
+    As in PyTorch, the hooks also see residuals that are the function's own inputs
+    (``inputs=False`` leaves those alone: the caller holds them anyway, so a hook that
+    copies them only adds memory). Under `jax.jit` the hooks run once, at trace time,
+    on tracers.
+    """
+    return residual_policy(hooks(pack_hook, unpack_hook, inputs=inputs))

@@ -23,7 +23,7 @@ import dataclasses
 import math
 from typing import Any
 
-from tapegrad.policies._base import SAVE
+from tapegrad._policy import SAVE
 
 __all__ = ["ScanCheckpoint", "scan_checkpoint", "LoopPlan", "choose_loop_schedule"]
 

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 import tapegrad as tg
+from tapegrad._policy import resolve_prefetch
 from tapegrad.policies import _planner_joint as joint
-from tapegrad.policies._cost import CostModel, compressed_nbytes, device_nbytes, resolve_prefetch
+from tapegrad.policies._cost import CostModel, compressed_nbytes, device_nbytes
 from tapegrad.policies._planner_measure import measured_peak
 from tapegrad.policies._planner_search import Scorer
 from tapegrad.policies.budget import estimate

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tapegrad._tape import device_nbytes
+
 __all__ = [
     "ResidualPolicy",
     "ResidualInfo",
@@ -29,7 +31,6 @@ __all__ = [
     "save",
     "residual_policy",
     "current_policy",
-    "saved_tensors_hooks",
     "disable_saved_tensors_hooks",
     "packs_inputs",
     "keeps_exact",
@@ -74,8 +75,6 @@ class ResidualInfo:
     def nbytes(self) -> int:
         """Bytes of one packed value (one step's, inside a loop) that one device holds:
         the shard's, when the value's type is sharded over a mesh (Explicit axes)."""
-        from tapegrad._tape import device_nbytes
-
         saved = self.saved
         sharding = getattr(saved, "sharding", None) if saved is not None else None
         if sharding is not None and tuple(saved.shape) != tuple(self.shape):
@@ -273,22 +272,6 @@ def residual_policy(policy: Any) -> Iterator[Any]:
         _POLICY.reset(token)
 
 
-def saved_tensors_hooks(
-    pack_hook: Callable[[Any], Any], unpack_hook: Callable[[Any], Any], *, inputs: bool = True
-):
-    """PyTorch's ``torch.autograd.graph.saved_tensors_hooks``: ``pack_hook(array) -> Any``,
-    ``unpack_hook(Any) -> array``, applied to every residual saved in the scope.
-
-    As in PyTorch, the hooks also see residuals that are the function's own inputs
-    (``inputs=False`` leaves those alone: the caller holds them anyway, so a hook that
-    copies them only adds memory). Under `jax.jit` the hooks run once, at trace time,
-    on tracers.
-    """
-    from tapegrad.policies.hooks import hooks
-
-    return residual_policy(hooks(pack_hook, unpack_hook, inputs=inputs))
-
-
 @contextlib.contextmanager
 def disable_saved_tensors_hooks(error_message: str) -> Iterator[None]:
     """Inside this scope, registering hooks or a residual policy raises
@@ -298,3 +281,24 @@ def disable_saved_tensors_hooks(error_message: str) -> Iterator[None]:
         yield
     finally:
         _DISABLED.reset(token)
+
+
+# How deep a policy's ``prefetch="auto"`` looks ahead, from a cost model that sits above
+# this layer (the planner's `prefetch_depth` registers itself here on import).
+_AUTO_PREFETCH: list[Callable[[Any, Any], int]] = []
+
+
+def register_auto_prefetch(fn: Callable[[Any, Any], int]) -> None:
+    """``fn(tape, costs) -> depth`` answers ``prefetch="auto"`` (the cost model's)."""
+    _AUTO_PREFETCH[:] = [fn]
+
+
+def resolve_prefetch(policy: Any, tape: Any) -> int:
+    """A policy's ``prefetch`` on ``tape``: an int as it is, ``"auto"`` from the cost
+    model (`prefetch_depth` with the policy's ``costs``, else the backend's)."""
+    p = getattr(policy, "prefetch", 0)
+    if p == "auto":
+        if not _AUTO_PREFETCH:
+            raise RuntimeError("prefetch='auto' needs tapegrad's cost model; import tapegrad")
+        return _AUTO_PREFETCH[0](tape, getattr(policy, "costs", None))
+    return int(p or 0)
