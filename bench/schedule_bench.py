@@ -33,8 +33,7 @@ from _models import rnn_params
 from _timing import interleaved
 
 import tapegrad as tg
-from tapegrad._loops import schedule_costs
-from tapegrad._tape import loop_bytes
+from tapegrad._loop_records import loop_bytes, schedule_costs
 
 B, W = 8, 32
 

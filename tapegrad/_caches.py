@@ -118,18 +118,10 @@ def register(name: str, cache: Any) -> None:
     _REGISTRY[name] = cache
 
 
-def _lazy() -> dict[str, Any]:
-    # Caches of modules that register nothing themselves (imported late: no cycles).
-    from tapegrad import _trace
-
-    return {"trace.differentiable_dtype": _trace._DIFFERENTIABLE}
-
-
 def _all() -> dict[str, Any]:
-    # Importing the package registers every cache module's caches.
-    import tapegrad  # noqa: F401
-
-    return {**_REGISTRY, **_lazy()}
+    # Every module that keeps a cache registers it on import (``import tapegrad`` imports
+    # them all, and nothing reaches these functions without it).
+    return dict(_REGISTRY)
 
 
 def cache_info() -> dict[str, int]:

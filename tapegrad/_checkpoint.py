@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from tapegrad import _jax_compat as compat
+from tapegrad._loop_records import outer_saves
 from tapegrad._policy import SAVE, is_exact, keeps_exact
 from tapegrad._rebuild import RANDOM, rebuilt_records, shared_in_body, switched
 from tapegrad._tape import Record, Segment, Tape, Var
@@ -206,8 +207,6 @@ def _region_decides(rec: Record, region) -> str:
 def _plan_bodies(tape: Tape, policy: Any) -> Tape:
     if not any(r.bodies for r in tape.records):
         return tape
-    from tapegrad._loops import outer_saves
-
     kept_exact = _kept_exact(policy)  # masks read off values the body keeps anyway
     segment = getattr(policy, "loop_segment", None)  # an int, or a `LoopPlan`
     schedule = getattr(policy, "loop_schedule", None)  # nested: segment lengths by level

@@ -14,6 +14,14 @@ import re
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
+from tapegrad._loop_records import (
+    forwarded_ids,
+    loop_bytes,
+    loop_residual_bytes,
+    step_residual_vars,
+)
+from tapegrad._tape import aval_str, register_printer
+
 WIDTH = 100  # every line of str(tape) / str(report) fits in this many columns
 MAX_PERIOD = 64  # longest repeated block looked for (a transformer layer is ~40 records)
 
@@ -146,8 +154,6 @@ def body_label(rec, b: int) -> str:
 
 def _bytes_with_bodies(rec) -> int:
     """What a record keeps: its own saves, and its bodies' per-step residuals × steps."""
-    from tapegrad._tape import loop_residual_bytes
-
     return rec.saved_bytes + (loop_residual_bytes(rec) if rec.bodies and rec.in_backward else 0)
 
 
@@ -282,8 +288,6 @@ def _record_lines(tape, col: int, per_step: bool) -> list[str]:
 def loop_bytes_text(rec, b: int, per_step: bool = False) -> str:
     """What body ``b`` of a loop/branch record keeps, in words: ``2,048 B per step × 200
     = 409,600 B``; a shared carry, a checkpoint schedule and a cond's branch say so."""
-    from tapegrad._tape import loop_bytes, step_residual_vars
-
     if not rec.in_backward:
         return "0 B"
     if rec.primitive != "scan":
@@ -538,9 +542,6 @@ def _body_summary(rec, b: int, n_records: int, per_step: bool) -> str:
 def _tape_rows(tape, per_step: bool, depth: int, fwd=frozenset()) -> list[str]:
     """Rows of ``tape``'s records; in a body (``depth`` > 0), ``fwd`` are the residuals
     the loop record keeps once, not counted in the records' per-step bytes."""
-    from tapegrad._loops import forwarded_ids
-    from tapegrad._tape import aval_str, step_residual_vars
-
     recs = tape.records
     indent = f"padding-left:calc(6px + {2 * depth}ch)" if depth else ""
 
@@ -669,3 +670,7 @@ def tape_html(tape) -> str:
 def _levels_text(rec) -> str:
     """A scan's segment lengths, outermost first: ``16`` or ``100/10``."""
     return "/".join(f"{k:,}" for k in (rec.schedule, *rec.inner_schedule))
+
+
+register_printer("text", tape_text)
+register_printer("html", tape_html)

@@ -29,6 +29,8 @@ from tapegrad._display import (
     stat,
     width,
 )
+from tapegrad._loop_records import schedule_text
+from tapegrad._tape import aval_str
 
 __all__ = ["report_text", "report_html", "report_decision"]
 
@@ -266,8 +268,6 @@ _REPORT_COLS = (
 
 
 def _report_rows_html(rows, tape, depth: int) -> list[str]:
-    from tapegrad._tape import aval_str
-
     indent = f"padding-left:calc(6px + {2 * depth}ch)" if depth else ""
 
     def rec_of(r):
@@ -459,8 +459,6 @@ def report_html(rep) -> str:
 
 def _schedule_text(rec) -> str:
     """A scheduled scan's costs in words (`_loops.schedule_text`)."""
-    from tapegrad._loops import schedule_text
-
     return schedule_text(rec)
 
 

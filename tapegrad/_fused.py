@@ -31,112 +31,23 @@ third sighting, so one-off calls pay no compilation.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+from jax.extend.core import ClosedJaxpr, Jaxpr
 
+from tapegrad import _interpret
 from tapegrad._caches import BoundedCache
+from tapegrad._interpret import backward, forward, run_segment
+from tapegrad._keys import NoKey, value_key
+from tapegrad._policy import SAVE
 from tapegrad._tape import Lit, Record, Tape, Var
 from tapegrad.rules import FALLBACK, lookup
 
-__all__ = ["grad_key", "run_grad", "segment_call", "value_key", "NoKey"]
-
-
-class NoKey(Exception):
-    """The tape holds something whose identity, not value, would key the cache."""
-
-
-_PLAIN = (str, type(None))
-# Placement params of a nested jit inside a sub-jaxpr (a custom_jvp call's body): jax
-# hashes and compares these by value.
-# PRNGImpl: a random_wrap's key implementation (a named tuple of module functions and
-# names, hashed by them, as jax's own jit cache keys it). FT*: jax 0.11's FlatTree, a
-# scan's operand groups (``ft_in``/``ft_out``; its leaves are None), compared by value.
-_JAX_VALUES = frozenset(
-    {"UnspecifiedValue", "Mesh", "AbstractMesh", "NamedSharding", "PartitionSpec", "PRNGImpl"}
-    | {"FTTuple", "FTPyTree", "FTSingleton", "FTDict"}
-)
-_NUMBERS = (int, bool)
-
-
-def value_key(v: Any) -> Any:
-    """A hashable key of a plain parameter value; raises `NoKey` when none is sound."""
-    t = type(v)
-    if t in _PLAIN:
-        return v
-    if t in _NUMBERS:
-        return (t, v)  # 1 == True == 1.0 in a dict key; keep the type
-    if t is float:
-        return (t, v.hex())  # -0.0 == 0.0 and nan != nan as floats
-    if isinstance(v, np.dtype) or isinstance(v, enum.Enum):
-        return v
-    if isinstance(v, np.generic):
-        return (t, v.tobytes())
-    if t.__name__ in _JAX_VALUES:  # compared by value, as jax's own jit cache keys them
-        return (t, v)
-    if isinstance(v, tuple):  # namedtuples too (dimension numbers)
-        return (t, tuple(value_key(x) for x in v))
-    if t is complex:
-        return (t, repr(v))
-    if isinstance(v, (Jaxpr, ClosedJaxpr)):  # cond branches, scan bodies, scatter combiners
-        return _jaxpr_key(v)
-    fused_key = getattr(v, "fused_key", None)  # a rule's own structure (custom_jvp_rule)
-    if fused_key is not None:
-        return (t, fused_key())
-    raise NoKey
-
-
-def array_key(value: Any) -> tuple:
-    a = np.asarray(value)
-    if a.size > 16:
-        raise NoKey
-    return (str(a.dtype), a.shape, a.tobytes())
-
-
-def _jaxpr_key(j: Any) -> tuple:
-    """A structural key of a sub-jaxpr: equal keys, same function (no constants allowed:
-    those are values, which the key must not hold)."""
-    if isinstance(j, ClosedJaxpr):
-        if j.consts:
-            raise NoKey
-        j = j.jaxpr
-    if j.constvars or j.effects:
-        raise NoKey
-    ids: dict[Any, int] = {}
-
-    def define(v) -> str:
-        ids[v] = len(ids)
-        return str(v.aval)
-
-    def use(v) -> Any:
-        if isinstance(v, Literal):
-            return ("lit", array_key(v.val), str(v.aval))
-        return ids[v]
-
-    ins = tuple(define(v) for v in j.invars)
-    eqns = tuple(
-        (
-            e.primitive,
-            tuple((k, value_key(p)) for k, p in e.params.items() if not _unused(e, k)),
-            tuple(use(v) for v in e.invars),
-            tuple(define(v) for v in e.outvars),
-        )
-        for e in j.eqns
-    )
-    return ("jaxpr", ins, eqns, tuple(use(v) for v in j.outvars))
-
-
-def _unused(eqn: Any, param: str) -> bool:
-    """A param the compiled call never runs: a custom_jvp call's JVP rule is used only by
-    a differentiation of the call, and nothing differentiates inside the compiled
-    forward+backward (its backward is the tape's own; `custom_jvp_rule` records carry
-    the rule traced into jaxprs, keyed in full)."""
-    return param == "jvp_jaxpr_fun" and eqn.primitive.name == "custom_jvp_call"
+__all__ = ["grad_key", "run_grad", "segment_call"]
 
 
 def _operand_key(i: Any) -> Any:
@@ -284,7 +195,11 @@ def grad_key(tape: Tape, extra: tuple = ()) -> tuple | None:
 # structures, while a test suite or a sweep sees many once (counted, never compiled).
 # Neither holds arrays: a compiled entry keeps the tape's structure only.
 _SEEN = BoundedCache("fused.seen", max_entries=256)
+
+
 _COMPILED = BoundedCache("fused.compiled", max_entries=32)
+
+
 _COMPILE_AT = 3  # sightings of a structure before it is compiled
 
 
@@ -312,9 +227,6 @@ def _compiled_for(key: tuple, tape: Tape, ct_dtype: Any, capture_ids: tuple) -> 
 
 
 def _grad_body(tape: Tape, ct_dtype: Any, capture_ids: tuple):
-    from tapegrad._interpret import backward, forward
-    from tapegrad._policy import SAVE
-
     passthrough = {v.id for v in tape.inputs} | {v.id for v, _ in tape.consts}
 
     def body(args, consts, lits):
@@ -423,8 +335,6 @@ def segment_call(tape: Tape, seg: Any) -> Any:
 
 
 def _segment_body(sub: Tape, outputs: Sequence[Var]):
-    from tapegrad._interpret import run_segment
-
     ids = [o.id for o in outputs]
     wanted = set(ids)
 
@@ -434,3 +344,6 @@ def _segment_body(sub: Tape, outputs: Sequence[Var]):
         return [out[i] for i in ids]
 
     return body
+
+
+_interpret.register_segment_call(segment_call)

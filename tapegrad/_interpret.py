@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -24,10 +24,9 @@ from jax import lax
 
 from tapegrad import _jax_compat as compat
 from tapegrad._caches import BoundedCache
-from tapegrad._fused import NoKey, segment_call, value_key
-from tapegrad._loops import loop_backward, loop_forward
+from tapegrad._keys import NoKey, value_key
 from tapegrad._policy import SAVE, ResidualInfo, is_plain, packs_inputs, resolve_prefetch
-from tapegrad._tape import Lit, Record, Saved, Segment, Tape, Var, as_dtype
+from tapegrad._tape import Lit, Record, Saved, Segment, Tape, Var, as_dtype, kind_of
 from tapegrad.errors import ResidualError, where
 from tapegrad.rules import FALLBACK, Res, lookup
 
@@ -277,7 +276,7 @@ def forward(
         # A loop keeps its per-step residuals (unless it is recomputed in backward).
         loop = bool(rec.bodies) and rec.rule != "none" and rec.decision != "recompute"
         if loop:
-            outs, body_res = loop_forward(rec, ins, res, observer)
+            outs, body_res = kind_of(rec).forward(rec, ins, res, observer)
             derived: Any = None
             store[("body", rec.index)], refs[("body", rec.index)] = body_res, 1
         else:
@@ -470,7 +469,7 @@ def run_segment(records: Sequence[Record], wanted: set[Any], vals: dict[Any, Any
     for n, rec in enumerate(records):
         ins = [vals[u.id] if isinstance(u, Var) else u.value for u in rec.inputs]
         if rec.bodies and rec.rule != "none":
-            outs, out[("body", rec.index)] = loop_forward(rec, ins, res)
+            outs, out[("body", rec.index)] = kind_of(rec).forward(rec, ins, res)
             derived: Any = None
         else:
             outs, derived = _run(rec, ins)  # type: ignore[assignment]
@@ -489,10 +488,19 @@ def run_segment(records: Sequence[Record], wanted: set[Any], vals: dict[Any, Any
     return out
 
 
+# How a compiled segment becomes one call: registered by the fused path
+# (`tapegrad._fused.segment_call`, which runs `run_segment` under ``jax.jit``).
+_SEGMENT_CALL: list[Callable[[Tape, Segment], Any]] = []
+
+
+def register_segment_call(fn: Callable[[Tape, Segment], Any]) -> None:
+    _SEGMENT_CALL[:] = [fn]
+
+
 def run_compiled_segment(tape: Tape, seg: Segment, vals: dict[Any, Any]) -> dict | None:
     """`run_segment` as one compiled call (cached by the segment's structure), for a
     ``compiled`` segment run eagerly; None when it cannot be keyed soundly."""
-    fn = segment_call(tape, seg)
+    fn = _SEGMENT_CALL[0](tape, seg) if _SEGMENT_CALL else None
     if fn is None:
         return None
     return fn([vals[v.id] for v in seg.inputs])
@@ -629,7 +637,7 @@ def backward(
                         seg = next(g for g in tape.segments if rec.index in g.records)
                         _recompute(seg)
                         stored = recomputed.pop(("body", rec.index))
-                in_cts = loop_backward(rec, x, stored, gs, retain, observer)
+                in_cts = kind_of(rec).backward(rec, x, stored, gs, retain, observer)
             else:
                 rule = lookup(rec.primitive) or FALLBACK
                 in_cts = _apply_rule(rule, _placed(rec, res), x, y, aux, gs)

@@ -20,8 +20,12 @@ import jax
 from jax import tree_util
 
 from tapegrad._checkpoint import segment_peak
+from tapegrad._display_report import report_html, report_text
 from tapegrad._interpret import forward
-from tapegrad._loops import _Segmented, _Stored, forwarded_ids
+from tapegrad._loop_common import _Stored
+from tapegrad._loop_records import forwarded_ids, loop_bytes, schedule_costs
+from tapegrad._loop_schedule import _Segmented
+from tapegrad._memory_plot import plot_plan, plot_report
 from tapegrad._memory_unseen import (
     UnseenBackward,
     unseen_backwards,
@@ -29,8 +33,11 @@ from tapegrad._memory_unseen import (
     vjp_residual_bytes,
 )
 from tapegrad._policy import is_plain, resolve_policy, resolve_prefetch
-from tapegrad._tape import Record, Tape, array_nbytes, as_dtype, loop_bytes
+from tapegrad._tape import Record, Tape, array_nbytes, as_dtype, custom_vjp_name
+from tapegrad._transforms import _argnums_tuple, _leaf_owners, _Traced
+from tapegrad.policies._lowbit import LowBit, residual_name
 from tapegrad.policies.budget import Budget, segment_flops
+from tapegrad.policies.compress import Compress
 
 __all__ = ["MemoryReport", "RecordMemory", "UnseenBackward", "memory_report", "vjp_residual_bytes"]
 
@@ -193,15 +200,11 @@ class MemoryReport:
             yield from r.walk()
 
     def __str__(self) -> str:
-        from tapegrad._display_report import report_text
-
         return report_text(self)
 
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
-        from tapegrad._display_report import report_html
-
         return report_html(self)
 
     def plot(self, ax: Any = None, *, label: str | None = None, by_kind: bool = True) -> Any:
@@ -218,8 +221,6 @@ class MemoryReport:
         horizontal line (raised by the inputs' own bytes, which budgets do not count).
         Returns the matplotlib ``Axes`` (``ax`` if given). ``label`` prefixes the legend.
         """
-        from tapegrad._memory_plot import plot_report
-
         return plot_report(self, ax, label, by_kind)
 
     def plot_plan(self, ax: Any = None) -> Any:
@@ -233,8 +234,6 @@ class MemoryReport:
         ```
         Returns the matplotlib ``Axes``.
         """
-        from tapegrad._memory_plot import plot_plan
-
         return plot_plan(self, ax)
 
 
@@ -290,8 +289,6 @@ def _measure(packed, info, runs: int = 1, seen: set[int] | None = None) -> _Acc:
 def _note_bits(packed, info, key, by_key: dict, named: dict) -> None:
     """Note the bits a floating residual was packed at: a `LowBit`'s, or the dtype's own
     width for one kept as it is (an input kept as it is: none)."""
-    from tapegrad.policies._lowbit import LowBit, residual_name
-
     if info is None:
         return
     if isinstance(packed, LowBit):
@@ -514,8 +511,6 @@ def _rows(
             )
         label = rec.primitive
         if label == "custom_vjp_call":  # show a tg.Function / custom_vjp by its name
-            from tapegrad.rules.control import custom_vjp_name
-
             label = custom_vjp_name(rec.params)
         rows.append(
             RecordMemory(
@@ -560,8 +555,6 @@ def _step_transient(rec: Record) -> int:
 def _segment_transient(rec: Record) -> int:
     """Bytes a checkpointed scan's backward recomputes at a time: one segment's residuals
     (a nested schedule: its inner levels' carries too) on top of what forward kept."""
-    from tapegrad._loops import schedule_costs
-
     c = schedule_costs(rec)
     if c is None:
         return 0
@@ -792,8 +785,6 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
 
 def _auto_of(policy: Any) -> Any:
     """The `compress(bits="auto")` policy packing the residuals (it or one it wraps)."""
-    from tapegrad.policies.compress import Compress
-
     for _ in range(8):
         if isinstance(policy, Compress):
             return policy if policy.bits == "auto" else None
@@ -851,7 +842,6 @@ def memory_report(fun: Callable, argnums: int | Sequence[int] = 0, *, policy: An
     backward runs `jax.vjp` are listed in ``rep.unseen`` with an estimate of what jax
     makes inside it.
     """
-    from tapegrad._transforms import _argnums_tuple, _leaf_owners, _Traced
 
     @functools.wraps(fun)
     def report_f(*args):

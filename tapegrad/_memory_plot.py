@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tapegrad._display import clip, human_bytes
+
 __all__ = ["plot_report", "plot_plan"]
 
 
@@ -16,8 +18,6 @@ def plot_report(rep: Any, ax: Any, label: str | None, by_kind: bool) -> Any:
         raise ImportError(
             "MemoryReport.plot needs matplotlib, an optional dependency: pip install matplotlib"
         ) from e
-    from tapegrad._display import clip, human_bytes
-
     if ax is None:
         _, ax = plt.subplots(figsize=(8, 3))
     xs = list(range(len(rep.timeline)))
@@ -97,8 +97,6 @@ def plot_plan(rep: Any, ax: Any) -> Any:
             "MemoryReport.plot_plan needs matplotlib, an optional dependency: "
             "pip install matplotlib"
         ) from e
-    from tapegrad._display import human_bytes
-
     if ax is None:
         _, ax = plt.subplots(figsize=(8, 3))
     for series, style in (

@@ -18,6 +18,7 @@ from jax import tree_util
 from tapegrad import _jax_compat as compat
 from tapegrad._display import short_source
 from tapegrad._tape import Lit, Record, Tape, itemsize
+from tapegrad.rules.control import primitive_vjp
 
 __all__ = ["UnseenBackward", "vjp_residual_bytes", "unseen_backwards", "unseen_notes"]
 
@@ -57,8 +58,6 @@ def vjp_residual_bytes(rec: Record) -> int:
     ``checkpoint``) materializes on top of what the report sees. Found abstractly, from
     `jax.make_jaxpr` of the same `jax.vjp` call the rule makes, on the record's avals:
     the output variables of the residual pytree that are not input variables."""
-    from tapegrad.rules.control import primitive_vjp
-
     var_pos = [i for i, v in enumerate(rec.inputs) if not isinstance(v, Lit)]
     active = [i for i, a in enumerate(rec.active) if a and i in var_pos]
 

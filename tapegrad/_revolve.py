@@ -13,7 +13,7 @@ runs the first actions (advances along the schedule's spine, storing its snapsho
 records the last step; backward runs the rest as one ``lax.scan`` over the actions (or,
 eagerly under a policy other than `save()`, a Python loop, so the policy sees concrete
 steps). Nothing is unrolled: the program holds one step's forward and one 1-step
-segment (`_loops._part`) run by the same segment runner as every other schedule.
+segment (`_loop_schedule._part`) run by the same segment runner as every other schedule.
 """
 
 from __future__ import annotations
@@ -21,16 +21,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from tapegrad._tape import Record
 
 __all__ = ["RevolvePlan", "revolve_plan", "revolve_reruns", "binomial_steps"]
+
 
 ADVANCE, TURN = 0, 1
 
@@ -147,228 +144,3 @@ def revolve_counts(rec: Record) -> tuple[int, int, int]:
     """(carries kept by forward, slots held at once, forward steps re-run)."""
     plan = revolve_plan(rec.trip_count, rec.snapshots)
     return len(plan.spine), plan.slots, plan.recomputed
-
-
-# ------------------------------------------------------------------ the executor
-
-
-def revolve_forward(rec: Record, ins: list, res) -> tuple[list, Any]:
-    """A revolve-scheduled scan's outputs and what backward needs: the spine's snapshots
-    and the last step's residuals (packed through ``res.policy``)."""
-    from tapegrad import _loops as L
-    from tapegrad._interpret import forward
-    from tapegrad._policy import SAVE
-
-    p, body = rec.params, rec.bodies[0]
-    nc, nk = p["num_consts"], p["num_carry"]
-    rev = bool(p["reverse"])
-    T = int(p["length"])
-    plan = revolve_plan(T, rec.snapshots)
-    consts, init = ins[:nc], L._coerce(ins[nc : nc + nk], body.inputs[nc : nc + nk])
-    xs = [L._window(v, rev) for v in ins[nc + nk :]]
-
-    def advance(carry, t):
-        outs, _ = forward(body, [*consts, *carry, *(v.step(t) for v in xs)], SAVE)
-        return L._coerce(outs[:nk], body.outputs[:nk]), L._coerce(outs[nk:], body.outputs[nk:])
-
-    n0 = len(plan.spine)
-    if not res.plain and L._concrete(L._leaves([*consts, *init, *xs])):
-        # Eagerly the snapshots are the carries themselves (no copy into a buffer).
-        carry, snaps, ys_t = init, [], []
-        for t in range(T - 1):
-            if plan.forward_store[t] >= 0:
-                snaps.append(tuple(carry))
-            carry, y = advance(carry, t)
-            ys_t.append(y)
-        ys_main = [
-            jnp.stack([y[j] for y in ys_t]) if ys_t else jnp.zeros((0,) + v.shape[1:], v.dtype)
-            for j, v in enumerate(rec.outputs[nk:])
-        ]
-        checkpoints: Any = tuple(snaps)
-    else:
-        # One scan over the first T-1 steps; a step's carry goes to its slot, or to a
-        # scratch row past the spine (an unconditional in-place write, no select).
-        slot = np.where(plan.forward_store >= 0, plan.forward_store, n0).astype(np.int32)
-
-        def step(state, inp):
-            carry, buf = state
-            t, i = inp
-            buf = [lax.dynamic_update_index_in_dim(b, c, i, 0) for b, c in zip(buf, carry)]
-            carry, y = advance(carry, t)
-            return (carry, buf), y
-
-        buf0 = [jnp.broadcast_to(c[None], (n0 + 1, *jnp.shape(c))) for c in init]
-        (carry, buf), ys_main = lax.scan(
-            step,
-            (init, buf0),
-            (jnp.arange(T - 1, dtype=jnp.int32), jnp.asarray(slot)),
-            length=T - 1,
-            unroll=p["unroll"],
-        )
-        checkpoints = [b[:n0] for b in buf]
-    # The last step runs as a 1-step segment whose residuals are kept.
-    last = L._part(rec, 1)
-    last_ins = [*consts, *carry, *(v.take(T - 1, 1) for v in xs)]
-    outs, rem = L._scan_forward(last, last_ins, res, None, start=T - 1)
-    ys = [jnp.concatenate([a, b]) for a, b in zip(ys_main, outs[nk:])]
-    return list(outs[:nk]) + (L._flip(ys) if rev else ys), L._Segmented(checkpoints, rem, res, 1)
-
-
-def revolve_backward(rec: Record, x: list, st: Any, gs: list, retain: bool) -> list:
-    """Cotangents of a revolve-scheduled scan's inputs: the kept last step's backward,
-    then the plan's actions (restore/store snapshots, advance or turn one step)."""
-    from tapegrad import _loops as L
-    from tapegrad._interpret import forward
-    from tapegrad._policy import SAVE
-
-    p, body = rec.params, rec.bodies[0]
-    nc, nk = p["num_consts"], p["num_carry"]
-    n_xs = len(rec.inputs) - nc - nk
-    rev = bool(p["reverse"])
-    T = int(p["length"])
-    plan = revolve_plan(T, rec.snapshots)
-    c_act = L._active_carries(rec)
-    x_act = [rec.active[nc + nk + j] for j in range(n_xs)]
-    consts = x[:nc]
-    xs, g_ys = [L._window(v, rev) for v in x[nc + nk :]], [L._window(g, rev) for g in gs[nk:]]
-    step_in = [body.inputs[nc + nk + j] for j in range(n_xs)]  # one step of each xs
-    one = L._part(rec, 1, c_act)
-
-    def window(vals, t):
-        return [None if v is None else v.take(t, 1) for v in vals]
-
-    def carry_cts(in_cts):
-        return [
-            L._ct_or_zeros(c, v.shape, v.dtype) if c_act[j] else None
-            for j, (c, v) in enumerate(zip(in_cts[nc : nc + nk], body.inputs[nc : nc + nk]))
-        ]
-
-    def turn(carry, ct_c, acc, t, keep):
-        """Step t's residuals from its carry, then its backward."""
-        if keep is None:
-            _, keep = L._scan_forward(one, [*consts, *carry, *window(xs, t)], st.res, None, t)
-        in_cts = L._scan_backward(
-            one,
-            [*consts, *([None] * nk), *window(xs, t)],
-            keep,
-            [*ct_c, *window(g_ys, t)],
-            retain and keep is st.rem,
-            None,
-        )
-        acc = [L._add(a, c) for a, c in zip(acc, in_cts[:nc])]
-        ct_x = [
-            L._ct_or_zeros(c if c is None else c[0], v.shape, v.dtype) if x_act[j] else None
-            for j, (c, v) in enumerate(zip(in_cts[nc + nk :], step_in))
-        ]
-        return carry_cts(in_cts), acc, ct_x
-
-    def advance(carry, t):
-        outs, _ = forward(body, [*consts, *carry, *(v.step(t) for v in xs)], SAVE)
-        return L._coerce(outs[:nk], body.outputs[:nk])
-
-    ct_c = [
-        L._ct_or_zeros(g, v.shape, v.dtype) if c_act[j] else None
-        for j, (g, v) in enumerate(zip(gs[:nk], body.inputs[nc : nc + nk]))
-    ]
-    acc = [
-        jnp.zeros(body.inputs[j].shape, body.inputs[j].dtype) if rec.active[j] else None
-        for j in range(nc)
-    ]
-    # The last step ran last and kept its residuals: its backward comes first.
-    ct_c, acc, ct_last = turn(None, ct_c, acc, T - 1, st.rem)
-    cps = st.checkpoints
-    if not retain:
-        st.checkpoints = None  # the slots below take the snapshots over
-    if (
-        plan.recomputed
-        and not st.res.plain
-        and L._concrete(L._leaves([*consts, *xs, *jax.tree.leaves(cps)]))
-    ):
-        slots: list[Any] = _snapshot_list(cps, nk) + [None] * (plan.slots - len(plan.spine))
-        cps = None  # a slot overwritten frees its snapshot (unless forward's are retained)
-        ct_rows: list[Any] = [None] * (T - 1)
-        carry: Any = None
-        for t, kind, restore, store in plan.actions.tolist():
-            if restore >= 0:
-                carry = slots[restore]
-            if store >= 0:
-                slots[store] = carry
-            if kind == TURN:
-                ct_c, acc, ct_rows[t] = turn(carry, ct_c, acc, t, None)
-            else:
-                carry = tuple(advance(carry, t))
-        ct_main: list[Any] = [
-            jnp.stack([row[j] for row in ct_rows]) if x_act[j] else None for j in range(n_xs)
-        ]
-    elif plan.recomputed:
-        buf = _snapshot_buffer(cps, nk, plan.slots + 1)  # + a scratch row
-        scratch = plan.slots
-
-        def act(state, a):
-            carry, buf, ct_c, acc, ct_buf = state
-            t, kind, restore, store = a[0], a[1], a[2], a[3]
-            got = [lax.dynamic_index_in_dim(b, jnp.maximum(restore, 0), 0, False) for b in buf]
-            carry = [lax.select(restore >= 0, g, c) for g, c in zip(got, carry)]
-            at = jnp.where(store >= 0, store, scratch)
-            buf = [lax.dynamic_update_index_in_dim(b, c, at, 0) for b, c in zip(buf, carry)]
-
-            def do_turn(op):
-                carry, ct_c, acc = op
-                ct_c, acc, ct_x = turn(carry, ct_c, acc, t, None)
-                return carry, ct_c, acc, ct_x
-
-            def do_advance(op):
-                carry, ct_c, acc = op
-                zeros = [
-                    jnp.zeros(v.shape, v.dtype) if x_act[j] else None for j, v in enumerate(step_in)
-                ]
-                return advance(carry, t), ct_c, acc, zeros
-
-            carry, ct_c, acc, ct_x = lax.cond(
-                kind == TURN, do_turn, do_advance, (list(carry), ct_c, acc)
-            )
-            # Steps below the one being reversed have no cotangent yet: an advance's
-            # zeros are overwritten by that step's own turn later.
-            ct_buf = [
-                None if b is None else lax.dynamic_update_index_in_dim(b, c, t, 0)
-                for b, c in zip(ct_buf, ct_x)
-            ]
-            return (carry, buf, ct_c, acc, ct_buf), None
-
-        carry0 = [lax.dynamic_index_in_dim(b, 0, 0, False) for b in buf]
-        ct_buf0 = [
-            jnp.zeros((T - 1, *v.shape), v.dtype) if x_act[j] else None
-            for j, v in enumerate(step_in)
-        ]
-        (_, _, ct_c, acc, ct_main), _ = lax.scan(
-            act, (carry0, buf, ct_c, acc, ct_buf0), jnp.asarray(plan.actions)
-        )
-    else:
-        ct_main = [
-            jnp.zeros((0, *v.shape), v.dtype) if x_act[j] else None for j, v in enumerate(step_in)
-        ]
-    ct_xs: list[Any] = [None] * n_xs
-    for j in range(n_xs):
-        if x_act[j]:
-            ct = jnp.concatenate([ct_main[j], ct_last[j][None]])  # in run order
-            ct_xs[j] = jnp.flip(ct, 0) if rev else ct
-    return L._input_cts(rec, acc, ct_c, c_act, ct_xs)
-
-
-def _snapshot_list(cps, nk: int) -> list:
-    """Snapshots as one tuple of carries each (forward kept a tuple of them eagerly, or
-    one stacked array per carry)."""
-    if isinstance(cps, tuple):
-        return list(cps)
-    n = cps[0].shape[0] if nk else 0
-    return [tuple(c[i] for c in cps) for i in range(n)]
-
-
-def _snapshot_buffer(cps, nk: int, rows: int) -> list:
-    """Snapshots stacked per carry, padded to ``rows`` rows (slots not yet used)."""
-    if isinstance(cps, tuple):
-        cps = [jnp.stack([s[j] for s in cps]) for j in range(nk)]
-    return [
-        jnp.concatenate([c, jnp.broadcast_to(c[:1], (rows - c.shape[0], *c.shape[1:]))])
-        for c in cps
-    ]

@@ -10,14 +10,16 @@ from __future__ import annotations
 import functools
 import math
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, cast
 
+import jax
 import numpy as np
 
 from tapegrad import _jax_compat as compat
+from tapegrad._caches import register as register_cache
 
 __all__ = [
     "Var",
@@ -25,11 +27,12 @@ __all__ = [
     "Saved",
     "Record",
     "Tape",
-    "step_residual_vars",
-    "step_residual_bytes",
-    "loop_residual_bytes",
-    "loop_bytes",
-    "LoopBytes",
+    "RecordKind",
+    "register_kind",
+    "kind_of",
+    "register_printer",
+    "is_differentiable_dtype",
+    "custom_vjp_name",
 ]
 
 
@@ -287,8 +290,6 @@ class Record:
         """The params as ``k=v`` strings; sub-programs and callables shown as ``…``."""
         items = []
         if self.primitive == "custom_vjp_call":  # show the function (tg.Function class) name
-            from tapegrad.rules.control import custom_vjp_name
-
             items.append(f"name={custom_vjp_name(self.params)}")
         for k, v in self.params.items():
             if k in (
@@ -438,7 +439,7 @@ class Tape:
         out = {k: v.nbytes for k, v in kept.items() if k not in const_ids}
         for rec in self.records:
             if rec.bodies and rec.in_backward:
-                n = loop_residual_bytes(rec)
+                n = kind_of(rec).residual_bytes(rec)
                 if n:
                     out[("body", rec.index)] = n
         return out
@@ -451,98 +452,91 @@ class Tape:
         return len(self.records)
 
     def __str__(self) -> str:
-        from tapegrad._display import tape_text
-
-        return tape_text(self)
+        return _print(self, "text")
 
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
-        from tapegrad._display import tape_html
-
-        return tape_html(self)
-
-
-def step_residual_vars(rec: Record, branch: int = 0) -> dict[Any, int]:
-    """The residuals one step of a loop/branch record's body ``branch`` packs, and their
-    bytes: the body's `Tape.residual_vars` less the values the record keeps once for all
-    steps (`tapegrad._loops.forwarded_ids`: a scan's consts and scanned slices, a cond's
-    operands). A nested loop is one entry with its bytes over all its own steps."""
-    from tapegrad._loops import forwarded_ids
-
-    fwd = forwarded_ids(rec)
-    return {k: n for k, n in rec.bodies[branch].residual_vars().items() if k not in fwd}
-
-
-def step_residual_bytes(rec: Record) -> int:
-    """Bytes of one step of a loop/branch record's per-step residuals (a cond: the sum
-    over its branches, what a traced ``lax.switch`` keeps; eagerly only the branch
-    taken is kept, which `tg.memory_report` measures)."""
-    if not rec.bodies or not rec.in_backward:
-        return 0
-    return sum(sum(step_residual_vars(rec, b).values()) for b in range(len(rec.bodies)))
-
-
-@dataclass(frozen=True, slots=True)
-class LoopBytes:
-    """What a loop/branch record keeps of its bodies' residuals, as `save()` keeps them.
-
-    ``step`` bytes per step, of which ``shared`` are carries the step saves as its input
-    that the previous step saved as its output (stored once: only the first step's input
-    is extra); ``steps`` steps keep their residuals (the trip count; a checkpointed scan's
-    remainder steps) and ``checkpoints`` carries of ``carry`` bytes are kept besides
-    (a checkpointed scan's carry at each full segment's start). A cond: one run of the
-    union of its branches.
-    """
-
-    step: int
-    shared: int = 0
-    steps: int = 1
-    checkpoints: int = 0
-    carry: int = 0
-
-    @property
-    def total(self) -> int:
-        kept = self.steps * (self.step - self.shared) + (self.shared if self.steps else 0)
-        return kept + self.checkpoints * self.carry
-
-
-def loop_bytes(rec: Record) -> LoopBytes:
-    """`LoopBytes` of a loop/branch record (all zero for another record)."""
-    step = step_residual_bytes(rec)
-    if rec.primitive != "scan" or not step and not rec.schedule and not rec.snapshots:
-        return LoopBytes(step)
-    from tapegrad._loops import _carry_pairs
-
-    nc, nk = rec.params["num_consts"], rec.params["num_carry"]
-    body = rec.bodies[0]
-    kept = step_residual_vars(rec)
-    shared = sum(kept[k_in] for k_in, _, _ in _carry_pairs(rec, kept))
-    T = rec.trip_count
-    if rec.snapshots:  # revolve: the spine's snapshots and the last step's residuals
-        from tapegrad._revolve import revolve_counts
-
-        carry = sum(v.nbytes for v in body.inputs[nc : nc + nk])
-        return LoopBytes(step, shared, min(T, 1), revolve_counts(rec)[0], carry)
-    if rec.schedule:  # carries every `schedule` steps, the remainder's residuals as usual
-        n = 0  # a nested schedule checkpoints the remainder again, level by level
-        for k in (rec.schedule, *rec.inner_schedule):
-            if k < T:
-                n, T = n + T // k, T % k
-        carry = sum(v.nbytes for v in body.inputs[nc : nc + nk])
-        return LoopBytes(step, shared, T, n, carry)
-    return LoopBytes(step, shared, T)
-
-
-def loop_residual_bytes(rec: Record) -> int:
-    """Bytes of a loop/branch record's per-step residuals over all its steps, as `save()`
-    keeps them: `step_residual_bytes` × `Record.trip_count`, less the carries a step saves
-    that the previous step saved as its output (kept once), nested loops multiplied; a
-    checkpointed scan (`Record.schedule`): its carry checkpoints and remainder steps."""
-    if not rec.bodies or not rec.in_backward:
-        return 0
-    return loop_bytes(rec).total
+        return _print(self, "html")
 
 
 def frozen_params(params: dict) -> Mapping[str, Any]:
     return MappingProxyType(dict(params))
+
+
+# ------------------------------------------------------------------ registries
+# Higher layers register into these tables on import (as jax's loops register their
+# rules into ``ad``): this module computes nothing about loops and draws nothing itself.
+
+
+@dataclass(frozen=True)
+class RecordKind:
+    """How a record with bodies (a loop or branch) runs, differentiates and is sized.
+
+    ``forward(rec, ins, res, observer=None, **kw) -> (outputs, stored)`` runs it and packs
+    its bodies' residuals through ``res`` (the enclosing `Residuals`);
+    ``backward(rec, x, stored, gs, retain, observer=None) -> input cotangents``;
+    ``residual_bytes(rec) -> int``: its bodies' residuals over all steps under `save()`.
+    """
+
+    forward: Callable[..., tuple[list, Any]]
+    backward: Callable[..., list]
+    residual_bytes: Callable[[Record], int]
+
+
+_KINDS: dict[str, RecordKind] = {}
+
+
+def register_kind(primitive: str, kind: RecordKind) -> None:
+    """Records of ``primitive`` that carry bodies run through ``kind``."""
+    _KINDS[primitive] = kind
+
+
+def kind_of(rec: Record) -> RecordKind:
+    """The registered kind of a record with bodies."""
+    try:
+        return _KINDS[rec.primitive]
+    except KeyError:
+        raise TypeError(
+            f"no record kind is registered for '{rec.primitive}' records with bodies "
+            "(import tapegrad, which registers scan and cond)"
+        ) from None
+
+
+_PRINTERS: dict[str, Callable[[Tape], str]] = {}
+
+
+def register_printer(fmt: str, fn: Callable[[Tape], str]) -> None:
+    """``fn(tape)`` prints a tape as ``fmt`` (``"text"``: ``str(tape)``; ``"html"``:
+    Jupyter's ``_repr_html_``)."""
+    _PRINTERS[fmt] = fn
+
+
+def _print(tape: Tape, fmt: str) -> str:
+    fn = _PRINTERS.get(fmt)
+    if fn is None:  # the report layer is not imported (never after ``import tapegrad``)
+        return f"Tape({len(tape.records)} records, {len(tape.inputs)} inputs)"
+    return fn(tape)
+
+
+_DIFFERENTIABLE: dict[Any, bool] = {}
+register_cache("trace.differentiable_dtype", _DIFFERENTIABLE)
+
+
+def is_differentiable_dtype(dtype: Any) -> bool:
+    # Asked for every value of every trace; jnp.issubdtype costs microseconds a call.
+    try:
+        return _DIFFERENTIABLE[dtype]
+    except KeyError:
+        out = _DIFFERENTIABLE[dtype] = bool(jax.numpy.issubdtype(dtype, jax.numpy.inexact))
+        return out
+    except TypeError:  # an unhashable dtype-like
+        return bool(jax.numpy.issubdtype(dtype, jax.numpy.inexact))
+
+
+def custom_vjp_name(params) -> str:
+    """The name of a ``custom_vjp_call`` record's function, as jax's jaxpr printer shows it
+    (``custom_vjp_call[name=LinearFn ...]``): a `tg.Function`'s class name, else the
+    decorated function's name. ``custom_vjp_name(record.params)``."""
+    debug = getattr(params["call_jaxpr"].jaxpr, "debug_info", None)
+    return getattr(debug, "func_name", None) or "<custom_vjp>"

@@ -25,29 +25,24 @@ import numpy as np
 
 from tapegrad import _jax_compat as compat
 from tapegrad._caches import BoundedCache
-from tapegrad._fused import NoKey, value_key
-from tapegrad._loops import outer_saves
+from tapegrad._keys import NoKey, value_key
+from tapegrad._loop_records import outer_saves
 from tapegrad._record import is_concrete, record_jaxpr
-from tapegrad._tape import Lit, Record, Region, Saved, Tape, Var, as_dtype
+from tapegrad._tape import (
+    Lit,
+    Record,
+    Region,
+    Saved,
+    Tape,
+    Var,
+    as_dtype,
+    is_differentiable_dtype,
+)
 from tapegrad.errors import ClosedOverTracerError, ReverseModeError
 from tapegrad.rules import FALLBACK, NONDIFF, WHILE_ERROR, lookup
 from tapegrad.rules.custom_jvp import ClosesOverTracer, call_name, expand_custom_jvp
 
 __all__ = ["trace_flat", "is_differentiable_dtype"]
-
-
-_DIFFERENTIABLE: dict[Any, bool] = {}
-
-
-def is_differentiable_dtype(dtype: Any) -> bool:
-    # Asked for every value of every trace; jnp.issubdtype costs microseconds a call.
-    try:
-        return _DIFFERENTIABLE[dtype]
-    except KeyError:
-        out = _DIFFERENTIABLE[dtype] = bool(jax.numpy.issubdtype(dtype, jax.numpy.inexact))
-        return out
-    except TypeError:  # an unhashable dtype-like
-        return bool(jax.numpy.issubdtype(dtype, jax.numpy.inexact))
 
 
 class _Raw:

@@ -17,7 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import tree_util
 
-from tapegrad import _anomaly
+from tapegrad import (
+    _anomaly,
+    _loops,  # noqa: F401  (registers the scan and cond record kinds)
+)
 from tapegrad import passes as _passes
 from tapegrad._checkpoint import plan_recompute
 from tapegrad._fused import run_grad

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tapegrad._policy import as_array
+from tapegrad._transforms import grad
 from tapegrad.policies._lowbit import (
     lowbit_layout,
     pack_lowbit,
@@ -245,8 +246,6 @@ def fit_allocation(
     seed: int,
 ) -> BitAllocation:
     """Measure each residual's sensitivity on ``fun(*args)`` and allocate (see `Compress.fit`)."""
-    from tapegrad._transforms import grad
-
     rec = _Recorder(policy)
     jax.eval_shape(grad(fun, argnums, policy=rec), *args)
     names = list(rec.seen)

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tapegrad._policy import as_array
+from tapegrad.policies._allocate import BitAllocation, fit_allocation
 from tapegrad.policies._groups import (
     Layout,
     dim_shards,
@@ -332,8 +333,6 @@ class Compress:
         ``allocation`` says what was chosen (``print`` it; ``.bits`` maps residual names
         to widths); `tg.memory_report` shows each row's bits.
         """
-        from tapegrad.policies._allocate import fit_allocation
-
         if self.bits != "auto":
             raise ValueError(f"{self!r}.fit: only compress(bits='auto', ...) is fitted.")
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
@@ -499,8 +498,6 @@ def compress(
 
 
 def _check_allocation(bits: Any, allocation: Any) -> Any:
-    from tapegrad.policies._allocate import BitAllocation
-
     if allocation is None:
         return None
     if bits != "auto" or isinstance(bits, bool):

@@ -23,7 +23,9 @@ import dataclasses
 import math
 from typing import Any
 
+from tapegrad._loop_records import loop_bytes, schedule_costs
 from tapegrad._policy import SAVE
+from tapegrad._revolve import revolve_reruns
 
 __all__ = ["ScanCheckpoint", "scan_checkpoint", "LoopPlan", "choose_loop_schedule"]
 
@@ -223,10 +225,6 @@ def loop_plans(rec: Any) -> list[LoopPlan]:
     fewest bytes for one extra forward) and of ⌈√T⌉; 2-4 balanced nested levels; the
     halving schedule; binomial schedules with as many snapshots as each of those holds
     at its peak, and with 2·log₂T."""
-    from tapegrad._loops import schedule_costs
-    from tapegrad._revolve import revolve_reruns
-    from tapegrad._tape import loop_bytes
-
     T = rec.trip_count
     base = dataclasses.replace(rec, schedule=0, inner_schedule=(), snapshots=0)
     lb = loop_bytes(base)
@@ -272,9 +270,6 @@ def choose_loop_schedule(rec: Any, bytes: int) -> LoopPlan:
     keep = plans[0]
     nc, nk = rec.params["num_consts"], rec.params["num_carry"]
     carry = sum(v.nbytes for v in rec.bodies[0].inputs[nc : nc + nk]) or 1
-    from tapegrad._revolve import revolve_reruns
-    from tapegrad._tape import loop_bytes
-
     lb = loop_bytes(dataclasses.replace(rec, schedule=0, inner_schedule=(), snapshots=0))
     s = min((bytes - lb.step) // carry - 1, rec.trip_count - 1)
     if s >= 2:

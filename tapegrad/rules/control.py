@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from tapegrad import _jax_compat as compat
-from tapegrad._tape import Lit
+from tapegrad._tape import Lit, custom_vjp_name  # noqa: F401  (documented here: tg.rules.control.custom_vjp_name)
 from tapegrad.errors import where
 from tapegrad.rules._registry import Rule, defrule
 
@@ -129,14 +129,6 @@ def _missing_ct(p, aval):
             jax.ShapeDtypeStruct(aval.shape, aval.dtype)
         )
     return _zero_ct(aval)
-
-
-def custom_vjp_name(params) -> str:
-    """The name of a ``custom_vjp_call`` record's function, as jax's jaxpr printer shows it
-    (``custom_vjp_call[name=LinearFn ...]``): a `tg.Function`'s class name, else the
-    decorated function's name. ``custom_vjp_name(record.params)``."""
-    debug = getattr(params["call_jaxpr"].jaxpr, "debug_info", None)
-    return getattr(debug, "func_name", None) or "<custom_vjp>"
 
 
 defrule(

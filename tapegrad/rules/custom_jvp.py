@@ -44,6 +44,7 @@ import numpy as np
 
 from tapegrad import _jax_compat as compat
 from tapegrad._caches import BoundedCache, array_bytes
+from tapegrad._keys import NoKey, array_key, jaxpr_key, value_key
 from tapegrad.rules._bits import mask_aval, pack_mask, unpack_mask
 from tapegrad.rules._registry import PositiveRef, Ref, Rule, defrule
 
@@ -126,10 +127,8 @@ class Expansion:
         """A structural key for `_fused` (one compiled forward+backward per structure):
         what a record's forward and backward run -- the primal part, the residuals'
         sources, the transposed linear part -- all jaxprs traced once from the user's
-        rule, so no user code runs in backward. Raises `_fused.NoKey` when a part holds
+        rule, so no user code runs in backward. Raises `_keys.NoKey` when a part holds
         constants (values must not be baked into a compiled call)."""
-        from tapegrad._fused import array_key, value_key
-
         lin = self.linear
         outs = tuple(
             None if f is None else (f[0], f[1].name, array_key(f[2])) for f in self.from_output
@@ -420,10 +419,8 @@ def _linear_for(lin, n_res: int, nz_in: list[int], ct_of: list[int]) -> Linear:
 
 
 def _structure_key(lin, n_res: int, nz_in: list[int], ct_of: list[int]) -> Any:
-    from tapegrad._fused import NoKey, _jaxpr_key  # a structural key of a jaxpr
-
     try:
-        key = (_jaxpr_key(lin), n_res, tuple(nz_in), tuple(ct_of))
+        key = (jaxpr_key(lin), n_res, tuple(nz_in), tuple(ct_of))
         hash(key)
     except (NoKey, TypeError, ValueError):
         return None

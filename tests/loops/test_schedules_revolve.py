@@ -16,9 +16,8 @@ from conftest import assert_trees_close
 from jax import lax
 
 import tapegrad as tg
-from tapegrad._loops import schedule_costs
+from tapegrad._loop_records import loop_bytes, schedule_costs
 from tapegrad._revolve import binomial_steps, revolve_plan
-from tapegrad._tape import loop_bytes
 
 
 @functools.cache
