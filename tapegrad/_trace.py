@@ -13,9 +13,7 @@ and decides, per record, what it saves for backward:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
-import types
 from collections.abc import Callable, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -24,7 +22,6 @@ import jax
 import numpy as np
 
 from tapegrad import _jax_compat as compat
-from tapegrad._caches import BoundedCache
 from tapegrad._keys import NoKey, value_key
 from tapegrad._loop_records import outer_saves
 from tapegrad._record import is_concrete, record_jaxpr
@@ -38,6 +35,7 @@ from tapegrad._tape import (
     as_dtype,
     is_differentiable_dtype,
 )
+from tapegrad._tape_cache import _TAPES, param_key, tape_key, with_values
 from tapegrad.errors import ClosedOverTracerError, ReverseModeError
 from tapegrad.rules import FALLBACK, NONDIFF, WHILE_ERROR, lookup
 from tapegrad.rules.custom_jvp import ClosesOverTracer, call_name, expand_custom_jvp
@@ -199,7 +197,7 @@ def _cse_key(eqn, name: str, ins: Sequence[Var | Lit], region, names, top: bool)
             except (NoKey, TypeError, ValueError):
                 return None
     try:
-        params = tuple([(k, _param_key(p)) for k, p in eqn.params.items()])
+        params = tuple([(k, param_key(p)) for k, p in eqn.params.items()])
         key = (eqn.primitive, name, params, tuple(ops), region, names)
         hash(key)
     except (NoKey, TypeError, ValueError):
@@ -259,11 +257,11 @@ def trace_flat(
     )
     out_tree = out_tree_fn() if out_tree_fn is not None else None
     lits: list = []
-    key = _tape_key(closed, active_inputs, diff, in_tree, out_tree, owner, lits)
+    key = tape_key(closed, active_inputs, diff, in_tree, out_tree, owner, lits)
     cached = _TAPES.get(key) if key is not None else None
     if cached is not None:
         tape, old_lits = cached
-        return _with_values(tape, closed.consts, old_lits, lits)
+        return with_values(tape, closed.consts, old_lits, lits)
     try:
         tape, top_lits = _build(closed, active_inputs, diff, in_tree, out_tree, top=True)
     except ClosesOverTracer as e:
@@ -285,15 +283,8 @@ def trace_flat(
         if len(top_lits) == len(lits) and all(
             o.shape == tuple(n.aval.shape) for o, n in zip(top_lits, lits)
         ):  # the same literals, read in the same order
-            _TAPES.put(key, (_with_values(tape, [None] * len(tape.consts), [], []), top_lits))
+            _TAPES.put(key, (with_values(tape, [None] * len(tape.consts), [], []), top_lits))
     return tape
-
-
-# Building a tape costs ~20 us per record (records, activity, what each saves); a training
-# loop traces the same program on every step, so the tape is kept per program *structure*
-# (its equations and avals): the call's closed-over arrays and its literals' values (a
-# learning rate, a temperature) are swapped in, never part of the key.
-_TAPES = BoundedCache("trace.tapes", max_entries=256)
 
 
 def _closure_message(e: ClosesOverTracer) -> str:
@@ -305,150 +296,6 @@ def _closure_message(e: ClosesOverTracer) -> str:
         "no tangent for it). Pass the value to the custom_jvp function as an argument (or "
         "use jax.closure_convert) and give its tangent in the rule."
     )
-
-
-def _tape_key(closed, active, diff, in_tree, out_tree, owner, lits: list) -> Any:
-    """The program's structure, or None when it holds something only identity could key
-    (a custom_jvp rule, a callback, a nested constant) or has effects. Appends the
-    program's top-level literals to ``lits``, whose values the key leaves out."""
-    if owner is None or closed.jaxpr.effects:
-        return None
-    owner = getattr(owner, "__code__", owner)  # a lambda re-made per call: same code
-    try:
-        structure = _structure(closed.jaxpr, lits)
-        return _Hashed((owner, structure, tuple(active), tuple(diff), in_tree, out_tree))
-    except (NoKey, TypeError, ValueError):
-        return None
-
-
-class _Hashed:
-    """A key hashed once: a big tuple is hashed anew on every dict operation (~0.1 ms
-    for a few hundred equations), and a cache lookup makes several."""
-
-    __slots__ = ("key", "hash")
-
-    def __init__(self, key: tuple):
-        self.key, self.hash = key, hash(key)
-
-    def __hash__(self) -> int:
-        return self.hash
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is _Hashed and other.hash == self.hash and other.key == self.key
-
-
-def _structure(j, lits: list | None) -> tuple:
-    """Equations and avals of a jaxpr. Top level (``lits`` a list): constants and
-    literals by aval only, the literals appended to ``lits``. Nested (``lits`` None, a
-    jit's or a loop body's jaxpr): literals by value, no constants. Avals are compared as
-    objects (shape, dtype, weak type, sharding): printing them costs more than building
-    the tape."""
-    if lits is None and j.constvars:
-        raise NoKey
-    ids: dict[Any, int] = {}
-    for v in j.constvars:
-        ids[v] = len(ids)
-    for v in j.invars:
-        ids[v] = len(ids)
-
-    def use(v) -> Any:
-        if type(v) is compat.Literal:
-            if lits is None:
-                return ("lit", value_key(np.asarray(v.val)[()]), v.aval)
-            lits.append(v)
-            return ("lit", v.aval)
-        return ids[v]
-
-    eqns = []
-    for e in j.eqns:
-        ins = tuple([use(v) for v in e.invars])
-        for v in e.outvars:
-            ids[v] = len(ids)
-        if e.primitive.name == "custom_jvp_call":
-            params = _custom_jvp_key(e.params)
-        else:
-            params = tuple([(k, _param_key(p)) for k, p in e.params.items()])
-        eqns.append((e.primitive, params, ins, tuple([v.aval for v in e.outvars])))
-    return (
-        tuple([v.aval for v in j.constvars]),
-        tuple([v.aval for v in j.invars]),
-        tuple(eqns),
-        tuple([use(v) for v in j.outvars]),
-    )
-
-
-_NUMERIC = (bool, int, float, complex, np.generic, np.ndarray)
-_FUNCTIONS = (types.FunctionType, types.MethodType, functools.partial)
-
-
-def _param_key(v: Any) -> Any:
-    """A parameter: nested jaxprs by structure, numbers by type and value (`value_key`),
-    jax's own parameter objects (shardings, layouts, enums) by their equality."""
-    if isinstance(v, compat.ClosedJaxpr):
-        if v.consts:
-            raise NoKey
-        return ("closed", _structure(v.jaxpr, None))
-    if isinstance(v, compat.Jaxpr):
-        return ("jaxpr", _structure(v, None))
-    if type(v) is tuple:
-        return ("tuple", tuple([_param_key(x) for x in v]))
-    try:
-        return value_key(v)
-    except NoKey:
-        if isinstance(v, _NUMERIC) or isinstance(v, _FUNCTIONS):
-            raise  # numbers need their type and exact value; functions differ per trace
-        hash(v)
-        return (type(v), v)
-
-
-def _custom_jvp_key(params) -> tuple:
-    """A ``custom_jvp_call`` by its function's structure and its rule: the user's rule
-    function (an identity, as `jax.jit` keys a function) and the static arguments jax
-    bound to it. Closures jax creates per trace (output stores) are not part of it."""
-    parts = compat.custom_jvp_rule_parts(params)
-    if parts is None:
-        raise NoKey
-    fn, transforms = parts
-    statics = []
-    for gen, args in transforms:
-        key = []
-        for a in args:
-            wrapped, v = compat.unhashable_value(a)
-            if wrapped:
-                key.append(("static", value_key(v)))
-            elif getattr(a, "__name__", None) == "<lambda>":
-                continue  # jax's per-trace accessor of the rule's output treedef
-            else:
-                hash(a)
-                key.append(a)
-        statics.append((gen, tuple(key)))
-    return (
-        ("call_jaxpr", _param_key(params["call_jaxpr"])),
-        ("rule", fn, tuple(statics)),
-        ("num_consts", params["num_consts"]),
-        ("symbolic_zeros", params["symbolic_zeros"]),
-    )
-
-
-def _with_values(tape: Tape, consts: Sequence[Any], old: list[Lit], new: list) -> Tape:
-    """``tape`` with these constant values, and literal ``old[i]`` reading ``new[i].val``."""
-    changes: dict[str, Any] = {}
-    if tape.consts:
-        changes["consts"] = tuple((v, c) for (v, _), c in zip(tape.consts, consts))
-    swap = {id(o): Lit(n.val, o.shape, o.dtype) for o, n in zip(old, new)}
-    if swap:
-
-        def lits(ops):
-            return tuple(swap.get(id(i), i) if type(i) is Lit else i for i in ops)
-
-        changes["records"] = tuple(
-            dataclasses.replace(r, inputs=lits(r.inputs))
-            if any(id(i) in swap for i in r.inputs)
-            else r
-            for r in tape.records
-        )
-        changes["outputs"] = lits(tape.outputs)
-    return dataclasses.replace(tape, **changes) if changes else tape
 
 
 def tape_from_jaxpr(
@@ -623,9 +470,6 @@ def _build(
     )
     return tape, b.top_lits
 
-
-# ----------------------------------------------------------- loops and branches
-# A scan or cond keeps its body (branches) as sub-tapes built by this same tracer.
 
 STRUCTURED = frozenset({"scan", "cond"})
 

@@ -19,7 +19,7 @@ from conftest import assert_trees_close, rand
 
 import tapegrad as tg
 from tapegrad import _caches, _fused, _interpret, _trace
-from tapegrad.rules import custom_jvp as _custom_jvp
+from tapegrad.rules import _linear
 
 POLICIES = {
     "save": lambda: tg.policies.save(),
@@ -62,7 +62,7 @@ def _compiled() -> int:
     """Executables behind tapegrad's caches (a jitted function counts each it compiled)."""
     n = sum(f._cache_size() for f in _interpret._RULE_JIT.values())
     n += sum(f._cache_size() for f in _fused._COMPILED.values())
-    for lin in _custom_jvp._LINEAR.values():
+    for lin in _linear._LINEAR.values():
         n += sum(f._cache_size() for f in lin.jitted.values())
     return n
 

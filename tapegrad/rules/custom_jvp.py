@@ -33,9 +33,8 @@ of rules/control.py, which calls `jax.vjp` of the whole call in backward.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -43,16 +42,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from tapegrad import _jax_compat as compat
-from tapegrad._caches import BoundedCache, array_bytes
-from tapegrad._keys import NoKey, array_key, jaxpr_key, value_key
+from tapegrad._keys import array_key, value_key
 from tapegrad.rules._bits import mask_aval, pack_mask, unpack_mask
+from tapegrad.rules._linear import Linear, Unsplittable, jitted, linear_for, pruned, reached
 from tapegrad.rules._registry import PositiveRef, Ref, Rule, defrule
 
 __all__ = ["ClosesOverTracer", "expand_custom_jvp", "custom_jvp_rule_p"]
-
-
-# ---------------------------------------------------------------------------
-# The record's primitive
 
 
 class _TapeOnly(compat.Primitive):
@@ -80,31 +75,6 @@ def _call(*args, rule: Expansion, name: str):
 
 
 custom_jvp_rule_p = _TapeOnly("custom_jvp_rule", _call)
-
-
-# ---------------------------------------------------------------------------
-# What a record carries
-
-
-@dataclass(frozen=True, eq=False)
-class Linear:
-    """The transposed linear part of a rule: ``cts_in = lt(*residuals, *cts_out)``.
-
-    Shared by every trace of a call with the same structure (see `_LINEAR`), so its
-    compiled forms are reused from one ``tg.grad`` call to the next.
-    """
-
-    lt: Any  # ClosedJaxpr
-    n_res: int
-    tangent_of: tuple[int, ...]  # primal operand (after the consts) of each lt output
-    ct_of: tuple[int, ...]  # call output of each cotangent lt input
-    # Per lt output, the cotangent inputs (positions in ct_of) it reads: where none of
-    # them has a cotangent, that operand's cotangent is a symbolic zero.
-    reads: tuple[tuple[int, ...], ...] = ()
-    # Per pattern of active inputs: the pruned jaxpr and its compiled form (at most
-    # 2**inputs patterns; freed with the Linear when `_LINEAR` evicts it).
-    pruned: dict = field(default_factory=dict, repr=False)
-    jitted: dict = field(default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True, eq=False)
@@ -151,10 +121,6 @@ def call_name(params) -> str:
     return getattr(debug, "func_name", None) or "<custom_jvp>"
 
 
-# ---------------------------------------------------------------------------
-# Expansion (trace time)
-
-
 def expand_custom_jvp(params, in_avals: Sequence[Any], source_info: Any = None):
     """A one-equation ``ClosedJaxpr`` standing for a ``custom_jvp_call`` equation,
     whose record is differentiated by the call's JVP rule; None to keep the call.
@@ -186,7 +152,7 @@ def expand_custom_jvp(params, in_avals: Sequence[Any], source_info: Any = None):
         return None
     try:
         exp = _split(jaxpr, consts, out_zeros, nc, diff, len(out_avals))
-    except _Unsplittable:
+    except Unsplittable:
         return None
     exp = Expansion(exp.primal, exp.refs, exp.linear, dict(params), exp.from_output)
     invars = [compat.Var(a) for a in in_avals]
@@ -204,10 +170,6 @@ def expand_custom_jvp(params, in_avals: Sequence[Any], source_info: Any = None):
 
 def _differentiable(aval) -> bool:
     return bool(jnp.issubdtype(aval.dtype, jnp.inexact))
-
-
-class _Unsplittable(Exception):
-    pass
 
 
 class ClosesOverTracer(Exception):
@@ -228,7 +190,7 @@ def _flatten(jaxpr, env: dict, eqns: list) -> list:
         if eqn.primitive.name in compat.INLINE_CALLS:
             sub = compat.sub_jaxpr(eqn.params)
             if sub is None or sub.consts:
-                raise _Unsplittable
+                raise Unsplittable
             sub_env = dict(zip(sub.jaxpr.invars, ins))
             outs = _flatten(sub.jaxpr, sub_env, eqns)
             for v, o in zip(eqn.outvars, outs):
@@ -268,7 +230,7 @@ def _split(jaxpr, consts, out_zeros, nc: int, diff: list[bool], n_out: int) -> E
         elif any(v in on_x for v in ins):
             on_x.update(eqn.outvars)
     if any(v in on_t for v in pouts if not isinstance(v, compat.Literal)):
-        raise _Unsplittable  # a primal output depends on a tangent: not a JVP rule
+        raise Unsplittable  # a primal output depends on a tangent: not a JVP rule
 
     # The call outputs whose tangent the rule computes from the input tangents
     # (a tangent that reads no tangent is zero, or the rule is not linear).
@@ -279,7 +241,7 @@ def _split(jaxpr, consts, out_zeros, nc: int, diff: list[bool], n_out: int) -> E
             ct_of.append(j)
             lin_outs.append(t)
     if not lin_outs:
-        raise _Unsplittable
+        raise Unsplittable
 
     # Residuals: what the linear part reads that is not a tangent. One that does not
     # depend on the primal operands (zeros, iota, a constant of the rule) is
@@ -323,7 +285,7 @@ def _split(jaxpr, consts, out_zeros, nc: int, diff: list[bool], n_out: int) -> E
         [const_vals[c] for c in lconst],
     )
     alts = tuple(_from_output(v, known, pouts) for v in derived)
-    return Expansion(primal, tuple(refs), _linear_for(lin, len(kept), nz_in, ct_of), None, alts)
+    return Expansion(primal, tuple(refs), linear_for(lin, len(kept), nz_in, ct_of), None, alts)
 
 
 # A mask ``x > c`` equals ``max(x, c) > c`` (and ``x < c`` equals ``min(x, c) < c``), NaN
@@ -399,75 +361,9 @@ def _used_consts(eqns: list, outs: list, constvars: list) -> list:
     return [c for c in constvars if c in used]
 
 
-# Transposing costs a trace of the linear part (~1 ms); a training loop traces the
-# same calls on every step, so the result is kept per structure. Bounded by entries
-# and by the bytes of the constants the transposed rules hold; a `Linear` also owns
-# its pruned and compiled forms, so evicting it releases those too.
-_LINEAR = BoundedCache("custom_jvp.linear", max_entries=512, max_bytes=256 << 20)
-
-
-def _linear_for(lin, n_res: int, nz_in: list[int], ct_of: list[int]) -> Linear:
-    key = _structure_key(lin, n_res, nz_in, ct_of)
-    found = _LINEAR.get(key) if key is not None else None
-    if found is not None:
-        return found
-    lt = _transpose(lin, n_res)
-    out = Linear(lt, n_res, tuple(nz_in), tuple(ct_of), _reads(lt, n_res, len(ct_of)))
-    if key is not None:
-        _LINEAR.put(key, out, array_bytes(out.lt.consts))
-    return out
-
-
-def _structure_key(lin, n_res: int, nz_in: list[int], ct_of: list[int]) -> Any:
-    try:
-        key = (jaxpr_key(lin), n_res, tuple(nz_in), tuple(ct_of))
-        hash(key)
-    except (NoKey, TypeError, ValueError):
-        return None
-    return key
-
-
-def _reads(lt, n_res: int, n_cts: int) -> tuple[tuple[int, ...], ...]:
-    """Per output of the transposed rule, the cotangent inputs it depends on."""
-    n_out = len(lt.jaxpr.outvars)
-    reads = []
-    for i in range(n_out):
-        _, used = compat.dce_jaxpr(lt.jaxpr, [o == i for o in range(n_out)])
-        reads.append(tuple(k for k in range(n_cts) if used[n_res + k]))
-    return tuple(reads)
-
-
-def _transpose(lin, n_res: int):
-    res_avals = [v.aval for v in lin.jaxpr.invars[:n_res]]
-    t_avals = [v.aval for v in lin.jaxpr.invars[n_res:]]
-    ct_avals = [v.aval.to_tangent_aval() for v in lin.jaxpr.outvars]
-
-    def lt(*args):
-        res, cts = args[:n_res], args[n_res:]
-        f = functools.partial(compat.eval_closed_jaxpr, lin, *res)
-        specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in t_avals]
-        return list(jax.linear_transpose(f, *specs)(list(cts)))
-
-    try:
-        return jax.make_jaxpr(lt)(*res_avals, *ct_avals)
-    except Exception as e:  # not linear in the tangents, or a primitive jax cannot transpose
-        raise _Unsplittable from e
-
-
-# ---------------------------------------------------------------------------
-# The rule
-
-
 def _active_tangents(exp: Expansion, active: Sequence[bool]) -> tuple[bool, ...]:
     nc = exp.call_params["num_consts"]
     return tuple(bool(active[nc + i]) for i in exp.linear.tangent_of)
-
-
-def _reached(lin: Linear, act: Sequence[bool], has_ct: Sequence[bool]) -> tuple[bool, ...]:
-    """``act`` (per lt output) narrowed to the tangents a cotangent reaches: ``has_ct``
-    says, per call output, whether it has one (jax's linearize sees the same zeros: a
-    tangent the rule's output tangents do not read gets none)."""
-    return tuple(a and any(has_ct[lin.ct_of[k]] for k in r) for a, r in zip(act, lin.reads))
 
 
 def _links(p, active, out_useful) -> list[bool]:
@@ -475,30 +371,9 @@ def _links(p, active, out_useful) -> list[bool]:
     exp: Expansion = p["rule"]
     nc = exp.call_params["num_consts"]
     reach = list(active[:nc]) + [False] * (len(active) - nc)
-    for i, a in zip(exp.linear.tangent_of, _reached(exp.linear, [True] * len(active), out_useful)):
+    for i, a in zip(exp.linear.tangent_of, reached(exp.linear, [True] * len(active), out_useful)):
         reach[nc + i] = a
     return reach
-
-
-def _pruned(linear: Linear, act: tuple[bool, ...]) -> tuple[Any, tuple[int, ...], tuple[int, ...]]:
-    """The transposed jaxpr computing only the active inputs' cotangents:
-    ``(jaxpr, residuals it reads, cotangents it reads)``."""
-    found = linear.pruned.get(act)
-    if found is None:
-        jaxpr, used = compat.dce_jaxpr(linear.lt.jaxpr, list(act))
-        closed = compat.ClosedJaxpr(jaxpr, linear.lt.consts)
-        res = tuple(k for k in range(linear.n_res) if used[k])
-        cts = tuple(k for k in range(len(linear.ct_of)) if used[linear.n_res + k])
-        found = linear.pruned[act] = (closed, res, cts)
-    return found
-
-
-def _jitted(linear: Linear, act: tuple[bool, ...]):
-    fn = linear.jitted.get(act)
-    if fn is None:
-        closed = _pruned(linear, act)[0]
-        fn = linear.jitted[act] = jax.jit(functools.partial(compat.eval_closed_jaxpr, closed))
-    return fn
 
 
 def _saves(p, ins, outs, active) -> tuple[Ref, ...]:
@@ -506,7 +381,7 @@ def _saves(p, ins, outs, active) -> tuple[Ref, ...]:
     act = _active_tangents(exp, active)
     if not any(act):
         return ()
-    _, res, _ = _pruned(exp.linear, act)
+    _, res, _ = pruned(exp.linear, act)
     return tuple(dict.fromkeys(exp.refs[k] for k in res))
 
 
@@ -566,18 +441,18 @@ def _vjp(p, r, cts, active):
         nc = exp.call_params["num_consts"]
         return [cts[0] if i == nc and a else None for i, a in enumerate(active)]
     lin = exp.linear
-    act = _reached(lin, _active_tangents(exp, active), [g is not None for g in cts])
+    act = reached(lin, _active_tangents(exp, active), [g is not None for g in cts])
     out: list[Any] = [None] * len(active)
     if not any(act):
         return out
-    jaxpr, res_used, cts_used = _pruned(lin, act)
+    jaxpr, res_used, cts_used = pruned(lin, act)
     args = [_residual(r, exp, exp.refs[k]) for k in res_used]
     for k in cts_used:
         j = lin.ct_of[k]
         g = cts[j]
         args.append(g if g is not None else jnp.zeros(r.out_avals[j].shape, r.out_avals[j].dtype))
     if all(isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) for a in args):
-        in_cts = _jitted(lin, act)(*args)  # eagerly: one dispatch, compiled once per structure
+        in_cts = jitted(lin, act)(*args)  # eagerly: one dispatch, compiled once per structure
     else:
         in_cts = compat.eval_closed_jaxpr(jaxpr, *args)
     nc = exp.call_params["num_consts"]
