@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["BoundedCache", "array_bytes", "cache_bytes", "cache_info", "clear_caches", "register"]
+__all__ = ["BoundedCache", "LookupTable", "array_bytes", "cache_bytes", "cache_info", "clear_caches", "register"]
 
 
 class BoundedCache:
@@ -110,6 +110,25 @@ class BoundedCache:
 
 
 # name -> an object with __len__ and clear() (a BoundedCache, or a plain dict elsewhere)
+class LookupTable(dict):
+    """A memo for a small key space (dtypes), read on every traced value: a plain dict's
+    lookup on a hit, emptied when it would pass ``max_entries``. Holds no arrays."""
+
+    max_bytes = None
+    nbytes = 0
+
+    def __init__(self, name: str, max_entries: int):
+        super().__init__()
+        self.name, self.max_entries = name, max_entries
+        register(name, self)
+
+    def remember(self, key: Any, value: Any) -> Any:
+        if len(self) >= self.max_entries:
+            self.clear()
+        self[key] = value
+        return value
+
+
 _REGISTRY: dict[str, Any] = {}
 
 

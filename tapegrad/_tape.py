@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from tapegrad import _jax_compat as compat
-from tapegrad._caches import register as register_cache
+from tapegrad._caches import LookupTable
 
 __all__ = [
     "Var",
@@ -519,8 +519,7 @@ def _print(tape: Tape, fmt: str) -> str:
     return fn(tape)
 
 
-_DIFFERENTIABLE: dict[Any, bool] = {}
-register_cache("trace.differentiable_dtype", _DIFFERENTIABLE)
+_DIFFERENTIABLE = LookupTable("trace.differentiable_dtype", max_entries=256)
 
 
 def is_differentiable_dtype(dtype: Any) -> bool:
@@ -528,8 +527,7 @@ def is_differentiable_dtype(dtype: Any) -> bool:
     try:
         return _DIFFERENTIABLE[dtype]
     except KeyError:
-        out = _DIFFERENTIABLE[dtype] = bool(jax.numpy.issubdtype(dtype, jax.numpy.inexact))
-        return out
+        return _DIFFERENTIABLE.remember(dtype, bool(jax.numpy.issubdtype(dtype, jax.numpy.inexact)))
     except TypeError:  # an unhashable dtype-like
         return bool(jax.numpy.issubdtype(dtype, jax.numpy.inexact))
 
