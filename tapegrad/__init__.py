@@ -12,6 +12,7 @@ from tapegrad._checkpoint import (
 )
 from tapegrad._checks import gradcheck, gradgradcheck
 from tapegrad._function import Function, FunctionCtx, once_differentiable
+from tapegrad._graph import TapeGraph
 from tapegrad._hooks import hook
 from tapegrad._memory import MemoryReport, memory_report
 from tapegrad._tape import Lit, Record, Saved, Tape, Var
@@ -53,6 +54,7 @@ __all__ = [
     "ResidualInfo",
     "Saved",
     "Tape",
+    "TapeGraph",
     "TapegradError",
     "Var",
     "__version__",

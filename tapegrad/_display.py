@@ -70,11 +70,11 @@ def human_bytes(n: float) -> str:
 
 
 def fold_runs(
-    sigs: Sequence[Hashable], fold: Callable[[int, int], bool]
+    sigs: Sequence[Hashable], fold: Callable[[int, int], bool], max_period: int = MAX_PERIOD
 ) -> list[tuple[int, int, int]]:
     """Cover ``sigs`` by ``(start, period, repeats)`` pieces, left to right.
 
-    At each position the block length (≤ `MAX_PERIOD`) whose back-to-back repeats cover
+    At each position the block length (≤ ``max_period``) whose back-to-back repeats cover
     the most items wins (the shorter block on ties); ``fold(period, repeats)`` says
     whether that run is worth folding, else the item stands alone as ``(i, 1, 1)``.
     """
@@ -83,7 +83,7 @@ def fold_runs(
     n, i, out = len(s), 0, []
     while i < n:
         cover, period = 0, 0
-        for p in range(1, min(MAX_PERIOD, (n - i) // 2) + 1):
+        for p in range(1, min(max_period, (n - i) // 2) + 1):
             if s[i + p] != s[i]:
                 continue
             block, r = s[i : i + p], 1

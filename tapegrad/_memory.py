@@ -21,6 +21,7 @@ from jax import tree_util
 
 from tapegrad._checkpoint import segment_peak
 from tapegrad._display_report import report_html, report_text
+from tapegrad._graph import report_graph
 from tapegrad._interpret import forward
 from tapegrad._loop_common import _Stored
 from tapegrad._loop_records import forwarded_ids, loop_bytes, schedule_costs
@@ -206,6 +207,11 @@ class MemoryReport:
 
     def _repr_html_(self) -> str:
         return report_html(self)
+
+    def graph(self, **kwargs: Any) -> Any:
+        """The tape drawn with this report's decisions and bytes per record (`TapeGraph`;
+        ``bodies`` and ``max_nodes`` as `Tape.graph`)."""
+        return report_graph(self, **kwargs)
 
     def plot(self, ax: Any = None, *, label: str | None = None, by_kind: bool = True) -> Any:
         """Live residual bytes over forward then backward, one line per memory kind.

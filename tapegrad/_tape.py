@@ -459,6 +459,17 @@ class Tape:
     def _repr_html_(self) -> str:
         return _print(self, "html")
 
+    def graph(self, **kwargs: Any) -> Any:
+        """The tape drawn as a graph (`tapegrad._graph.TapeGraph`): records as boxes with
+        their source lines, values as edges, each kept value's bytes and decision;
+        ``.svg()`` draws it with Graphviz, and it renders in Jupyter. ``bodies``: loop
+        bodies inside their box (True), apart (False) or when they fit (None);
+        ``max_nodes``: boxes to fold down to."""
+        fn = _PRINTERS.get("graph")
+        if fn is None:
+            raise RuntimeError("import tapegrad to draw a tape (tapegrad._graph registers it)")
+        return fn(self, **kwargs)
+
 
 def frozen_params(params: dict) -> Mapping[str, Any]:
     return MappingProxyType(dict(params))
@@ -503,12 +514,12 @@ def kind_of(rec: Record) -> RecordKind:
         ) from None
 
 
-_PRINTERS: dict[str, Callable[[Tape], str]] = {}
+_PRINTERS: dict[str, Callable[..., Any]] = {}
 
 
-def register_printer(fmt: str, fn: Callable[[Tape], str]) -> None:
+def register_printer(fmt: str, fn: Callable[..., Any]) -> None:
     """``fn(tape)`` prints a tape as ``fmt`` (``"text"``: ``str(tape)``; ``"html"``:
-    Jupyter's ``_repr_html_``)."""
+    Jupyter's ``_repr_html_``; ``"graph"``: ``tape.graph(**kw)``, a picture object)."""
     _PRINTERS[fmt] = fn
 
 

@@ -12,6 +12,7 @@ import html.parser
 import shutil
 import subprocess
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -152,3 +153,77 @@ def test_chromium_screenshot_is_not_blank(page, tmp_path):
     img = matplotlib.image.imread(str(png))[..., :3]
     ink = np.mean(np.any(np.abs(img - img[0, 0]) > 0.2, axis=-1))
     assert 0.01 < ink < 0.6, ink  # text on a background: neither empty nor a solid block
+
+
+GRAPH_PROBE = """<script>
+window.addEventListener('load', function () {
+  var out = document.body.dataset, svg = document.querySelector('div.tg-graph svg');
+  var box = svg.getBoundingClientRect();
+  out.graphNodes = svg.querySelectorAll('g.node').length;
+  out.graphEdges = svg.querySelectorAll('g.edge').length;
+  out.graphWidth = box.width.toFixed(0);
+  out.graphHeight = box.height.toFixed(0);
+  out.bodies = document.querySelectorAll('div.tg-graph details').length;
+});
+</script>"""
+
+
+def test_chromium_draws_the_tape_graph(tmp_path):
+    """A 300-record tape's graph (folded) and a scan body under <details>, in a browser."""
+
+    def deep(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w) * 0.5 + jnp.sin(x)
+
+        def step(h, _):
+            return jnp.tanh(h @ ws[0]), None
+
+        x, _ = jax.lax.scan(step, x, None, length=5)
+        return jnp.sum(x**2)
+
+    ws = [jnp.eye(8) * 0.1] * 80
+    tape = tg.trace(deep)(ws, jnp.ones((4, 8)))
+    assert len(tape.records) > 300
+    g = tape.graph(bodies=False)
+    path = tmp_path / "graph.html"
+    path.write_text(
+        '<!doctype html><html><head><meta charset="utf-8"></head><body>'
+        f"{g._repr_html_()}{GRAPH_PROBE}</body></html>",
+        encoding="utf-8",
+    )
+    exe = chromium()
+    dom = subprocess.run(
+        [exe, *FLAGS, f"--user-data-dir={tmp_path / 'p1'}", "--dump-dom", path.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    p = _Body()
+    p.feed(dom.stdout)
+    b = p.body
+    # every box drawn (top level, then the body's graph under its <details>)
+    assert int(b["data-graph-nodes"]) == g.nodes, b
+    assert int(b["data-graph-edges"]) > g.nodes // 2
+    assert int(b["data-bodies"]) == 1
+    assert int(b["data-graph-width"]) > 200 and int(b["data-graph-height"]) > 400, b
+    png = tmp_path / "graph.png"
+    run = subprocess.run(
+        [
+            exe,
+            *FLAGS,
+            f"--user-data-dir={tmp_path / 'p2'}",
+            "--window-size=1000,1400",
+            f"--screenshot={png}",
+            path.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    import matplotlib.image
+
+    img = matplotlib.image.imread(str(png))[..., :3]
+    ink = np.mean(np.any(np.abs(img - img[0, 0]) > 0.2, axis=-1))
+    assert 0.005 < ink < 0.6, ink
