@@ -1,0 +1,70 @@
+"""How long ``tape.graph()`` takes to draw, and how big the drawing is.
+
+Targets (issue "Seeing a backward pass"): a 300-record tape's ``.svg()`` in under a second
+in Python (Graphviz's layout included), at most ~150 boxes after folding, under 1 MB.
+
+    python bench/graph_bench.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(__file__))
+import _models as M  # noqa: E402
+
+import tapegrad as tg  # noqa: E402
+
+
+def _cases():
+    ws = M.mlp_params(jax.random.PRNGKey(0), 8, 256)
+    yield "8-layer MLP", tg.trace(M.mlp_loss)(ws, jnp.ones((64, 256)))
+    arrays, heads = M.split_static(M.transformer_params(jax.random.PRNGKey(1), d=64, ff=128))
+
+    def deep(p, x):
+        for _ in range(8):
+            x = M.transformer_block({**p, "heads": heads}, x)
+        return jnp.mean(x**2)
+
+    yield "8 transformer blocks", tg.trace(deep)(arrays, jnp.ones((2, 16, 64)))
+
+    def chaos(x):  # nothing repeats: a new literal every step
+        for i in range(120):
+            x = jnp.sin(x * (i + 1.0)) + jnp.cos(x[::-1]) if i % 2 else jnp.tanh(x * i)
+        return jnp.sum(x)
+
+    yield "300+ distinct records", tg.trace(chaos)(jnp.ones((8, 8)))
+    p = M.rnn_params(jax.random.PRNGKey(2))
+    yield "scanned RNN", tg.trace(M.rnn_loss)(p, jnp.ones((32, 8, 128)))
+
+
+def main() -> None:
+    head = ("records", 9), ("boxes", 7), ("folded", 8), ("graph s", 9), ("svg s", 7), ("KB", 6)
+    print(f"{'tape':<23}" + "".join(f"{h:>{w}}" for h, w in head))
+    for name, tape in _cases():
+        n = sum(1 for _ in _walk(tape))
+        t0 = time.perf_counter()
+        g = tape.graph()
+        t1 = time.perf_counter()
+        svg = g.svg()
+        t2 = time.perf_counter()
+        print(
+            f"{name:<23}{n:>9}{g.nodes:>7}{g.folded:>8}{t1 - t0:>9.2f}{t2 - t1:>7.2f}"
+            f"{len(svg) / 1e3:>6.0f}"
+        )
+
+
+def _walk(tape):
+    for r in tape.records:
+        yield r
+        for b in r.bodies:
+            yield from _walk(b)
+
+
+if __name__ == "__main__":
+    main()
