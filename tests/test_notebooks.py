@@ -22,7 +22,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 NB_DIR = ROOT / "notebooks"
-EXPECTED = ["01_tour", "02_residual_policies", "03_checkpointing", "04_debugging", "05_training"]
+EXPECTED = [
+    "01_tour",
+    "02_residual_policies",
+    "03_checkpointing",
+    "04_debugging",
+    "05_training",
+    "06_language_model",
+]
 NEEDS = ["nbclient", "nbformat", "ipykernel", "matplotlib", "optax", "equinox"]
 
 
