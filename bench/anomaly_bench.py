@@ -20,6 +20,7 @@ import platform
 import statistics
 import warnings
 
+import _results
 import jax
 from _models import mlp_loss, mlp_params
 from _timing import interleaved
@@ -43,7 +44,9 @@ def report(title: str, times: dict[str, list[float]], base: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    _results.add_arguments(ap)
     a = ap.parse_args()
+    _results.start(a)
     n_eager, n_jit = (15, 60) if a.quick else (60, 400)
     warnings.simplefilter("ignore", UserWarning)  # the "anomaly mode is on" warning
     k1, k2 = jax.random.split(jax.random.key(0))
@@ -63,6 +66,7 @@ def main() -> None:
     jitted = {k: (lambda g=jax.jit(g): g(params, x)) for k, g in grads.items()}  # noqa: B008
     report("eager", rounds(eager, n_eager), "off (tg.grad)")
     report("jax.jit", rounds(jitted, n_jit), "off (tg.grad)")
+    _results.finish(a, "anomaly_bench")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 
+import _results
 import jax.numpy as jnp
 
 import tapegrad as tg
@@ -34,7 +35,9 @@ def mlp(ws, x):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, nargs="+", default=[32, 60, 330, 500])
+    _results.add_arguments(ap)
     a = ap.parse_args()
+    _results.start(a)
     print(f"{'layers':>6} {'records':>7} {'budget':>6} {'plan s':>7}  plan (predicted step)")
     for n in a.layers:
         ws, x = [jnp.ones((64, 64)) / 64 for _ in range(n)], jnp.ones((32, 64))
@@ -49,6 +52,7 @@ def main() -> None:
                 f"{n:>6} {len(tape.records):>7} {frac:>6.0%} {dt:>7.2f}  "
                 f"{pol.last['plan']} ({pol.last['time_s'] * 1e6:.1f} µs)"
             )
+    _results.finish(a, "chain_plan_time")
 
 
 if __name__ == "__main__":

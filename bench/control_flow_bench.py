@@ -14,6 +14,7 @@ import argparse
 import platform
 import statistics
 
+import _results
 import jax
 import jax.numpy as jnp
 from _timing import interleaved
@@ -54,7 +55,9 @@ CASES = {
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=50)
+    _results.add_arguments(ap)
     args = ap.parse_args()
+    _results.start(args)
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {platform.processor() or '?'}")
     print(f"{'function':42s} {'tg.grad ms':>10s} {'jax.grad ms':>11s} {'ratio':>6s}")
     for name, (f, a) in CASES.items():
@@ -64,6 +67,7 @@ def main() -> None:
         ratio = statistics.median(x / y for x, y in zip(t["tg"], t["jax"]))
         tg_ms, jax_ms = statistics.median(t["tg"]) * 1e3, statistics.median(t["jax"]) * 1e3
         print(f"{name:42s} {tg_ms:10.2f} {jax_ms:11.2f} {ratio:5.2f}x")
+    _results.finish(args, "control_flow_bench")
 
 
 if __name__ == "__main__":

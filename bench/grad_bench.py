@@ -23,6 +23,7 @@ import os
 import platform
 import statistics
 
+import _results
 import jax
 import jax.numpy as jnp
 from _models import mlp_loss, mlp_params, split_static, transformer_loss, transformer_params
@@ -112,7 +113,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", nargs="*", help="model name prefixes, e.g. mlp8 mlp32")
+    _results.add_arguments(ap)
     a = ap.parse_args()
+    _results.start(a)
     reps_eager, reps_jit = (5, 20) if a.quick else (30, 200)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
@@ -157,6 +160,7 @@ def main() -> None:
             f"{j_tg:7.3f}/{j_jax:7.3f} ms {j_ratio:4.2f}x "
             f"{b_tg:>11,}/{b_jax:>11,} B {b_tg / b_jax:4.2f}x  {vs_torch}"
         )
+    _results.finish(a, "grad_bench")
 
 
 if __name__ == "__main__":

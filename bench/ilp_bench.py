@@ -37,6 +37,7 @@ import sys
 import time
 from pathlib import Path
 
+import _results
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -286,6 +287,7 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="section 2 only")
     ap.add_argument("--plans", action="store_true", help="the plans only, no bound")
     ap.add_argument("--set", default="", help="budget constants, NAME=VALUE,...")
+    _results.add_arguments(ap)
     a = ap.parse_args()
     for item in filter(None, a.set.split(",")):
         name, value = item.split("=")
@@ -295,16 +297,19 @@ def main() -> None:
     if not _planner_ilp.available():
         print("highspy not installed (pip install tapegrad[planner]): nothing to measure")
         return
+    _results.start(a)
     print(f"cost model {COSTS}; mechanisms {MECHS}; prefetch 1; ILP limit {a.limit:g} s")
     t0 = time.perf_counter()
     if a.plans:
         plans(a.quick)
         print(f"\n({time.perf_counter() - t0:.0f} s)")
+        _results.finish(a, "ilp_bench_plans")
         return
     small(a.quick)
     if not a.small:
         quality(a.quick, a.limit)
     print(f"\n({time.perf_counter() - t0:.0f} s)")
+    _results.finish(a, "ilp_bench_small" if a.small else "ilp_bench")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import _results
 import jax
 import jax.numpy as jnp
 from _models import (
@@ -306,11 +307,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", nargs="*", help="model keys: rnn stack stack_relu mlp_relu tf_relu")
     ap.add_argument("--profile", metavar="MODEL", help="cProfile one eager call and exit")
+    _results.add_arguments(ap)
     a = ap.parse_args()
     ms = models(a.quick)
     if a.profile:
         profile(next(m for m in ms if m.key == a.profile))
         return
+    _results.start(a)
     print(machine_line())
     t_start = time.perf_counter()
     summaries = []
@@ -326,6 +329,7 @@ def main() -> None:
     print(machine_line())
     print(summary_table(summaries))
     print(f"total {time.perf_counter() - t_start:.0f} s")
+    _results.finish(a, "loop_bench")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+import _results
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -240,7 +241,9 @@ def pareto(ms) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    _results.add_arguments(ap)
     a = ap.parse_args()
+    _results.start(a)
     print(f"jax {jax.__version__}, {jax.default_backend()}; cost model {COSTS}")
     ms = models(a.quick)
     quality(a.quick)
@@ -250,6 +253,7 @@ def main() -> None:
     peaks(ms)
     monotone(ms)
     pareto(ms)
+    _results.finish(a, "planner_bench")
 
 
 if __name__ == "__main__":
