@@ -3,11 +3,12 @@
 Targets (issue "Seeing a backward pass"): a 300-record tape's ``.svg()`` in under a second
 in Python (Graphviz's layout included), at most ~150 boxes after folding, under 1 MB.
 
-    python bench/graph_bench.py
+    python bench/graph_bench.py [--write]
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _models as M  # noqa: E402
+import _results  # noqa: E402
 
 import tapegrad as tg  # noqa: E402
 
@@ -44,6 +46,10 @@ def _cases():
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    _results.add_arguments(ap)
+    args = ap.parse_args()
+    _results.start(args)
     head = ("records", 9), ("boxes", 7), ("folded", 8), ("graph s", 9), ("svg s", 7), ("KB", 6)
     print(f"{'tape':<23}" + "".join(f"{h:>{w}}" for h, w in head))
     for name, tape in _cases():
@@ -57,6 +63,7 @@ def main() -> None:
             f"{name:<23}{n:>9}{g.nodes:>7}{g.folded:>8}{t1 - t0:>9.2f}{t2 - t1:>7.2f}"
             f"{len(svg) / 1e3:>6.0f}"
         )
+    _results.finish(args, "graph_bench")
 
 
 def _walk(tape):
