@@ -14,6 +14,7 @@ from tapegrad._checks import gradcheck, gradgradcheck
 from tapegrad._function import Function, FunctionCtx, once_differentiable
 from tapegrad._graph import TapeGraph
 from tapegrad._hooks import hook
+from tapegrad._jax_residuals import JaxResiduals, jax_residuals
 from tapegrad._memory import MemoryReport, memory_report
 from tapegrad._tape import Lit, Record, Saved, Tape, Var
 from tapegrad._transforms import grad, trace, value_and_grad, vjp
@@ -72,6 +73,8 @@ __all__ = [
     "Function",
     "FunctionCtx",
     "hook",
+    "jax_residuals",
+    "JaxResiduals",
     "once_differentiable",
     "AnomalyError",
     "AnomalyMode",
