@@ -20,6 +20,7 @@ import jax
 from jax import tree_util
 
 from tapegrad._checkpoint import segment_peak
+from tapegrad._compare import Comparison, compare
 from tapegrad._display_report import report_html, report_text
 from tapegrad._graph import report_graph
 from tapegrad._interpret import forward
@@ -207,6 +208,13 @@ class MemoryReport:
 
     def _repr_html_(self) -> str:
         return report_html(self)
+
+    def compare(self, other: Any) -> Comparison:
+        """This report beside ``other`` (another `MemoryReport`, or `tg.jax_residuals`'s
+        report of what plain ``jax.vjp`` keeps), rows matched by source line and
+        primitive, with each side's decision and device/host/compressed bytes and totals;
+        text and HTML."""
+        return compare(self, other)
 
     def graph(self, **kwargs: Any) -> Any:
         """The tape drawn with this report's decisions and bytes per record (`TapeGraph`;
