@@ -211,6 +211,25 @@ block_report = tg.memory_report(block, policy=policies["budget"])(params0["block
 display(block_report.graph())
 
 # %% [markdown]
+# ## What plain `jax.grad` keeps, beside tapegrad
+#
+# `tg.jax_residuals` measures what `jax.vjp` itself holds for backward (its `vjp_fn`'s
+# arrays), attributed to the line that made each; `compare` lays it beside tapegrad's
+# report, row by row.
+
+# %%
+jr = tg.jax_residuals(loss)(params0, xs, ys)
+_, vjp_fn = jax.vjp(lambda p: loss(p, xs, ys), params0)
+held = {id(a): a for a in jax.tree_util.tree_leaves(vjp_fn)}
+print(
+    f"jax.vjp keeps {jr.beyond_inputs_bytes / 1e6:.2f} MB beyond the inputs; "
+    f"tapegrad's save() {reports['save'].beyond_inputs_bytes / 1e6:.2f} MB"
+)
+assert jr.total_bytes == sum(a.nbytes for a in held.values())  # measured, not estimated
+assert reports["save"].beyond_inputs_bytes < jr.beyond_inputs_bytes
+display(reports["save"].compare(jr))
+
+# %% [markdown]
 # ## When training diverges: where the first non-finite value came from
 #
 # Push the learning rate until the loss blows up, then replay the first step whose loss
