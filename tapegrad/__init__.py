@@ -1,6 +1,13 @@
 """tapegrad: JAX autodiff on an explicit tape, with pluggable residual policies."""
 
-from tapegrad import errors, passes, policies, rules
+from tapegrad import (
+    _display_html,  # noqa: F401  (registers the tape's "html" printer)
+    _display_text,  # noqa: F401  (registers the tape's "text" printer)
+    errors,
+    passes,
+    policies,
+    rules,
+)
 from tapegrad._anomaly import AnomalyMode, detect_anomaly, is_anomaly_enabled, set_detect_anomaly
 from tapegrad._caches import clear_caches
 from tapegrad._checkpoint import (

@@ -17,13 +17,15 @@ from typing import Any
 from tapegrad._display import (
     _SRC,
     WIDTH,
-    cell,
     clip,
+    human_bytes,
+    short_source,
+)
+from tapegrad._display_html import (
+    cell,
     e,
     header,
-    human_bytes,
     page,
-    short_source,
     stat,
     width,
 )

@@ -11,17 +11,19 @@ from tapegrad._display import (
     WIDTH,
     _fold_html,
     _fold_text,
+    clip,
+    fold_runs,
+    human_bytes,
+    short_source,
+)
+from tapegrad._display_html import (
     by_source_table,
     cell,
-    clip,
     e,
-    fold_runs,
     folded_rows,
     header,
-    human_bytes,
     page,
     prim_counts,
-    short_source,
     stat,
     width,
 )

@@ -1,6 +1,6 @@
-"""`MemoryReport`'s pictures (`tapegrad._display` draws tapes): a text table that fits
-100 columns and a self-contained HTML table, with the report's totals, its planned
-decisions and costs, and loops folded like the tape's."""
+"""`MemoryReport`'s pictures (`tapegrad._display_text` and `_display_html` draw tapes): a
+text table that fits 100 columns and a self-contained HTML table, with the report's
+totals, its planned decisions and costs, and loops folded like the tape's."""
 
 from __future__ import annotations
 
@@ -14,18 +14,20 @@ from tapegrad._display import (
     _fold_text,
     _levels_text,
     body_label,
+    clip,
+    fold_runs,
+    human_bytes,
+    short_source,
+)
+from tapegrad._display_html import (
     body_row,
     by_source_table,
     cell,
-    clip,
     e,
-    fold_runs,
     folded_rows,
     header,
-    human_bytes,
     page,
     prim_counts,
-    short_source,
     stat,
     width,
 )

@@ -57,9 +57,7 @@ How it maps onto jax:
 
 from __future__ import annotations
 
-import functools
 import inspect
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -67,115 +65,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax import tree_util
 
-from tapegrad.errors import NonDifferentiableError
+from tapegrad._function_ctx import (
+    FunctionCtx,
+    _is_array,
+    _is_jax_value,
+    _is_no_cotangent,
+    _Residuals,
+)
+from tapegrad._function_once import _tie_outputs, once_differentiable
 
 __all__ = ["Function", "FunctionCtx", "once_differentiable"]
-
-
-def _is_array(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.core.Tracer)) or hasattr(
-        x, "__jax_array__"
-    )
-
-
-def _is_jax_value(x: Any) -> bool:
-    """A jax array or tracer (numpy arrays are plain constants)."""
-    return isinstance(x, (jax.Array, jax.core.Tracer)) or hasattr(x, "__jax_array__")
-
-
-def _is_no_cotangent(ct: Any) -> bool:
-    """A symbolic zero, or the float0 cotangent of an integer output."""
-    if ct is None or isinstance(ct, jax.custom_derivatives.SymbolicZero):
-        return True
-    return getattr(ct, "dtype", None) == jax.dtypes.float0
-
-
-class FunctionCtx:
-    """The ``ctx`` a `Function`'s ``forward``/``setup_context`` fill and ``backward`` reads.
-
-    * ``ctx.save_for_backward(*arrays)`` / ``ctx.saved_tensors``: arrays kept for
-      backward (None entries allowed); they go through the residual policy.
-    * ``ctx.needs_input_grad``: one bool per forward input (see `Function`).
-    * ``ctx.mark_non_differentiable(*outputs)``: those outputs get no cotangent.
-    * ``ctx.set_materialize_grads(False)``: backward receives None, not zeros,
-      for outputs that got no cotangent.
-    * any other attribute (``ctx.scale = 2.0``): static, non-array state.
-    """
-
-    def __init__(self, name: str, needs_input_grad: tuple[bool, ...]):
-        self._tg_name = name
-        self.needs_input_grad = needs_input_grad
-        self._tg_saved: tuple = ()
-        self._tg_in_backward = False
-        self._tg_non_diff: list = []
-        self._tg_materialize = True
-
-    # Set by _finish_ctx once forward has run (declared here for the type checker only).
-    _tg_out_tree: Any  # jax PyTreeDef
-    _tg_marked: frozenset[int]
-    _tg_out_dtypes: tuple[Any, ...]
-    _tg_spread: bool
-
-    def save_for_backward(self, *tensors: Any) -> None:
-        """Keep ``tensors`` (arrays or None) for ``backward``; a later call replaces them."""
-        for i, t in enumerate(tensors):
-            if t is not None and not _is_array(t):
-                raise TypeError(
-                    f"{self._tg_name}: ctx.save_for_backward accepts arrays or None, but "
-                    f"argument {i} is a {type(t).__name__} ({t!r:.60}). Store non-array state "
-                    f"as an attribute instead (e.g. ctx.value = ...)."
-                )
-        self._tg_saved = tuple(None if t is None else jnp.asarray(t) for t in tensors)
-
-    @property
-    def saved_tensors(self) -> tuple:
-        """The arrays given to `save_for_backward`, in order (available in ``backward``)."""
-        if not self._tg_in_backward:
-            raise RuntimeError(
-                f"{self._tg_name}: ctx.saved_tensors is available in backward only; in "
-                "forward/setup_context use the arrays themselves."
-            )
-        return self._tg_saved
-
-    def mark_non_differentiable(self, *outputs: Any) -> None:
-        """Mark outputs of ``forward`` (the very objects it returns) as not differentiable:
-        they get no cotangent, and ``backward`` receives zeros (or None) for them."""
-        self._tg_non_diff.extend(outputs)
-
-    def set_materialize_grads(self, value: bool) -> None:
-        """With False, ``backward`` receives None instead of zeros for outputs that got no
-        cotangent (unused outputs, non-differentiable ones)."""
-        self._tg_materialize = bool(value)
-
-    def mark_dirty(self, *args: Any) -> None:
-        raise TypeError(
-            f"{self._tg_name}: ctx.mark_dirty has no meaning in jax: arrays are immutable, so "
-            "forward cannot modify an input in place. Return the new value instead."
-        )
-
-    def save_for_forward(self, *args: Any) -> None:
-        raise TypeError(
-            f"{self._tg_name}: ctx.save_for_forward (forward-mode AD) is not supported: a "
-            "tg.Function is a jax.custom_vjp, which jax cannot differentiate in forward mode."
-        )
-
-    def __repr__(self) -> str:
-        return f"<FunctionCtx of {self._tg_name} needs_input_grad={self.needs_input_grad}>"
-
-
-class _Residuals:
-    """What a Function's custom_vjp keeps for backward: the saved arrays (pytree
-    children, so jax and the residual policy see them) and the ctx (static aux data)."""
-
-    __slots__ = ("arrays", "ctx")
-
-    def __init__(self, arrays: tuple, ctx: FunctionCtx):
-        self.arrays, self.ctx = arrays, ctx
-
-
-tree_util.register_pytree_node(
-    _Residuals, lambda r: (r.arrays, r.ctx), lambda ctx, arrays: _Residuals(tuple(arrays), ctx)
-)
 
 
 class _Spec:
@@ -514,114 +413,3 @@ def _fit_grad(name: str, what: str, g: Any, aval: tuple):
     if g.dtype != want_dtype:
         g = g.astype(want_dtype)
     return g
-
-
-def once_differentiable(fn: Callable) -> Callable:
-    """Mark a `Function`'s ``backward`` as not differentiable itself.
-
-    The backward runs on values that carry no derivative (so it may use ops jax
-    cannot differentiate), and asking for a second-order gradient through it
-    (`tg.grad(tg.grad(f))`, `jax.jacrev(jax.grad(f))`, ...) raises `tg.NonDifferentiableError`
-    instead of silently returning a wrong (zero) result.
-
-    ```python
-    class MyRelu(tg.Function):
-        ...
-        @staticmethod
-        @tg.once_differentiable
-        def backward(ctx, g):
-            x, = ctx.saved_tensors
-            return g * (x > 0)
-    ```
-    """
-    if isinstance(fn, staticmethod):  # written above @staticmethod
-        return staticmethod(once_differentiable(fn.__func__))
-
-    @functools.wraps(fn)
-    def wrapper(ctx: FunctionCtx, *grads: Any):
-        name = ctx._tg_name
-        saved = ctx._tg_saved
-        deps = (saved, grads)
-        stop = functools.partial(tree_util.tree_map, jax.lax.stop_gradient)
-        ctx._tg_saved = stop(saved)
-        try:
-            out = fn(ctx, *stop(grads))
-        finally:
-            ctx._tg_saved = saved
-        leaves, treedef = tree_util.tree_flatten(out)
-        idx = [k for k, x in enumerate(leaves) if _is_array(x)]
-        if not idx:
-            return out
-        guarded = _once_barrier(name)(tuple(leaves[k] for k in idx), deps)
-        for k, g in zip(idx, guarded):
-            leaves[k] = g
-        return tree_util.tree_unflatten(treedef, leaves)
-
-    wrapper._tg_once_differentiable = True  # type: ignore[attr-defined]
-    return wrapper
-
-
-def _tie_outputs(out: Any, ctx: FunctionCtx, inputs: list) -> Any:
-    """``out``, with each differentiable output tied to the perturbed ``inputs``.
-
-    As in PyTorch, every output of a Function depends on its differentiable inputs. Under
-    an outer differentiation jax sees the forward's own computation instead, which may
-    cut the dependence (``jnp.round`` in a straight-through estimator has derivative 0):
-    the cotangents later fed to the once-differentiable backward would then look
-    constant, and a double backward through it would silently give 0 instead of
-    raising. The tie is the identity with a zero derivative w.r.t. ``inputs``: values and
-    gradients are unchanged, but an outer transformation sees the dependence.
-    """
-    deps = [x for x in inputs if _is_jax_value(x) and jnp.issubdtype(x.dtype, jnp.inexact)]
-    leaves, treedef = tree_util.tree_flatten(out)
-    idx = [
-        k
-        for k, x in enumerate(leaves)
-        if k not in ctx._tg_marked and _is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact)
-    ]
-    if not deps or not idx:
-        return out
-    avals = tuple((np.shape(d), jnp.result_type(d)) for d in deps)
-    tied = _tie(avals, tuple(leaves[k] for k in idx), tuple(deps))
-    for k, t in zip(idx, tied):
-        leaves[k] = t
-    return tree_util.tree_unflatten(treedef, leaves)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _tie(avals: tuple, outs: tuple, deps: tuple) -> tuple:
-    return outs
-
-
-def _tie_fwd(avals, outs, deps):
-    return outs, None
-
-
-def _tie_bwd(avals, _, ct):
-    return ct, tuple(jnp.zeros(shape, dt) for shape, dt in avals)
-
-
-_tie.defvjp(_tie_fwd, _tie_bwd)
-
-
-def _once_barrier(name: str):
-    """Identity on ``outs`` that raises when differentiated through ``deps``."""
-
-    def barrier(outs, deps):
-        return outs
-
-    def fwd(outs, deps):
-        return outs, None
-
-    def bwd(_, ct):
-        raise NonDifferentiableError(
-            f"{name}.backward is decorated with @tg.once_differentiable, so it cannot be "
-            "differentiated, but a higher-order gradient through it was requested. Remove "
-            "@once_differentiable and write backward with differentiable jax ops to "
-            "support double backward."
-        )
-
-    barrier.__name__ = barrier.__qualname__ = f"{name}.backward[once_differentiable]"
-    f = jax.custom_vjp(barrier)
-    f.defvjp(fwd, bwd)
-    return f
