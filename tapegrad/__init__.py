@@ -1,7 +1,14 @@
 """tapegrad: JAX autodiff on an explicit tape, with pluggable residual policies."""
 
 from tapegrad import errors, passes, policies, rules
-from tapegrad._anomaly import AnomalyMode, detect_anomaly, is_anomaly_enabled, set_detect_anomaly
+from tapegrad._anomaly import (
+    AnomalyEvent,
+    AnomalyLog,
+    AnomalyMode,
+    detect_anomaly,
+    is_anomaly_enabled,
+    set_detect_anomaly,
+)
 from tapegrad._caches import clear_caches
 from tapegrad._checkpoint import (
     CheckpointPolicy,
@@ -72,6 +79,8 @@ __all__ = [
     "hook",
     "once_differentiable",
     "AnomalyError",
+    "AnomalyEvent",
+    "AnomalyLog",
     "AnomalyMode",
     "DtypeError",
     "EffectError",

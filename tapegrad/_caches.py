@@ -20,7 +20,15 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["BoundedCache", "LookupTable", "array_bytes", "cache_bytes", "cache_info", "clear_caches", "register"]
+__all__ = [
+    "BoundedCache",
+    "LookupTable",
+    "array_bytes",
+    "cache_bytes",
+    "cache_info",
+    "clear_caches",
+    "register",
+]
 
 
 class BoundedCache:
