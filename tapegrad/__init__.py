@@ -8,7 +8,14 @@ from tapegrad import (
     policies,
     rules,
 )
-from tapegrad._anomaly import AnomalyMode, detect_anomaly, is_anomaly_enabled, set_detect_anomaly
+from tapegrad._anomaly import (
+    AnomalyEvent,
+    AnomalyLog,
+    AnomalyMode,
+    detect_anomaly,
+    is_anomaly_enabled,
+    set_detect_anomaly,
+)
 from tapegrad._caches import clear_caches
 from tapegrad._checkpoint import (
     CheckpointPolicy,
@@ -84,6 +91,8 @@ __all__ = [
     "JaxResiduals",
     "once_differentiable",
     "AnomalyError",
+    "AnomalyEvent",
+    "AnomalyLog",
     "AnomalyMode",
     "DtypeError",
     "EffectError",

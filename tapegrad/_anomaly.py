@@ -62,11 +62,15 @@ import jax
 # The checks, the observer and `emit` live in their own modules; the interpreters'
 # callers (`_transforms`) and `passes.check_finite` reach them through this module.
 from tapegrad._anomaly_checks import AnomalyMode, Site, checkable, code_of  # noqa: F401
+from tapegrad._anomaly_log import _OPEN, AnomalyEvent, AnomalyLog, Operand
 from tapegrad._anomaly_observer import AnomalyObserver, emit, observer  # noqa: F401
 from tapegrad.errors import TracerLeakError
 
 __all__ = [
+    "AnomalyEvent",
+    "AnomalyLog",
     "AnomalyMode",
+    "Operand",
     "detect_anomaly",
     "set_detect_anomaly",
     "is_anomaly_enabled",
@@ -113,8 +117,18 @@ class detect_anomaly(contextlib.ContextDecorator):
         g = tg.grad(loss)(params, x)          # AnomalyError names the first bad record
     with tg.detect_anomaly(check_inf=True):   # Inf too (sqrt at 0, log at 0)
         g = jax.jit(tg.grad(loss))(params, x)
+    with tg.detect_anomaly(halt=False) as log:  # run to the end, collect every origin
+        g = tg.grad(loss)(params, x)
+    print(log)                                # a table of log.events
     ```
-    Scopes nest and are restored on exit, also when the body raises (a contextvar).
+    ``halt=False``: no error; every origin of a NaN/Inf — a record whose outputs are
+    non-finite while its inputs are finite (in backward: a rule returning a non-finite
+    cotangent while the cotangents it received and its forward values are finite) —
+    becomes an `AnomalyEvent` in the `AnomalyLog` the ``with`` statement binds.
+    ``post_mortem=True``: when halting eagerly, open pdb in the frame that called the
+    transform, with the error as ``anomaly`` (``anomaly.record``, ``anomaly.operands``).
+    Scopes nest and are restored on exit, also when the body raises (a contextvar). The
+    ``with`` statement binds the `AnomalyLog` (``halt=False``) or the `AnomalyMode`.
     """
 
     def __init__(
@@ -124,17 +138,27 @@ class detect_anomaly(contextlib.ContextDecorator):
         check_inf: bool = False,
         forward: bool = True,
         check_leaks: bool = False,
+        halt: bool = True,
+        post_mortem: bool = False,
     ):
-        self.mode = AnomalyMode(check_nan, check_inf, forward, check_leaks)
+        self.log = None if halt else AnomalyLog()
+        self.mode = AnomalyMode(
+            check_nan, check_inf, forward, check_leaks, halt, post_mortem, self.log
+        )
         self._tokens: list = []
         _warn_enabled(self.mode)
 
-    def __enter__(self) -> AnomalyMode:
+    def __enter__(self) -> Any:
         self._tokens.append(_MODE.set(self.mode))
+        if self.log is not None:
+            _OPEN.append(self.log)
+            return self.log
         return self.mode
 
     def __exit__(self, *exc) -> None:
         _MODE.reset(self._tokens.pop())
+        if self.log is not None and self.log in _OPEN:
+            _OPEN.remove(self.log)
 
 
 class set_detect_anomaly:

@@ -28,12 +28,19 @@ class AnomalyMode:
       backward. Turn it off when a ``jnp.where`` discards NaNs on purpose.
     check_leaks: trace under ``jax.checking_leaks()`` and raise `TracerLeakError`
       when a traced value escapes the function (slow: a garbage collection per trace).
+    halt: raise at the first failed check (True), or collect every origin into ``log``
+      and run to the end (False).
+    post_mortem: when halting eagerly, open pdb in the caller's frame, with the error as
+      ``anomaly`` (its ``.record`` and ``.operands``).
     """
 
     check_nan: bool = True
     check_inf: bool = False
     forward: bool = True
     check_leaks: bool = False
+    halt: bool = True
+    post_mortem: bool = False
+    log: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if not (self.check_nan or self.check_inf):

@@ -5,13 +5,19 @@ host side of one pass's checks, which finds the first failed check and raises
 
 from __future__ import annotations
 
+import os
+import pdb
+import sys
 from collections.abc import Sequence
 
+import jax
+
 from tapegrad._anomaly_checks import NAN, AnomalyMode, Site, first_bad, locate
+from tapegrad._anomaly_log import current_log, event, origins, summarize_all
 from tapegrad._tape import Record, Tape, Var
 from tapegrad.errors import AnomalyError
 
-__all__ = ["describe_record", "feeding_chain", "message", "producers_of"]
+__all__ = ["describe_record", "feeding_chain", "message", "post_mortem", "producers_of"]
 
 
 def producers_of(tape: Tape) -> dict[int, Record]:
@@ -141,14 +147,81 @@ def message(
 
 
 class _Report:
-    """The host side of one pass's checks: find the first bad site and raise."""
+    """The host side of one pass's checks: raise at the first failed check, or (with
+    ``halt=False``) log every origin and go on. ``operands``: (phase, record index) ->
+    (names, values) the observer kept eagerly; ``bad``: value keys found non-finite by
+    the passes over this tape so far (shared with the observer)."""
 
-    def __init__(self, sites: Sequence[Site], producers: dict[int, Record], mode: AnomalyMode):
+    def __init__(
+        self,
+        sites: Sequence[Site],
+        producers: dict[int, Record],
+        mode: AnomalyMode,
+        operands: dict | None = None,
+        bad: set | None = None,
+    ):
         self.sites, self.producers, self.mode = tuple(sites), producers, mode
+        self.operands = operands if operands is not None else {}
+        self.bad = bad if bad is not None else set()
+
+    def _operands(self, site: Site, path) -> tuple | None:
+        if path or site.record is None or site.kind not in ("forward", "backward"):
+            return None
+        got = self.operands.get((site.kind, site.record.index))
+        return None if got is None else summarize_all(*got)
 
     def __call__(self, codes, traced: bool = True) -> None:
+        if not self.mode.halt:
+            self._log(codes, traced)
+            return
         hit = first_bad(codes, sum(s.size for s in self.sites), self.mode)
         if hit is not None:
             k, code = hit
             site, path = locate(self.sites, k)
-            raise AnomalyError(message(site, code, self.producers, self.mode, traced, path))
+            operands = None if traced else self._operands(site, path)
+            text = message(site, code, self.producers, self.mode, traced, path)
+            if operands:
+                text += "\nIts operands:\n" + "\n".join(f"    {o}" for o in operands)
+            err = AnomalyError(text, site.record, operands)
+            if self.mode.post_mortem and not traced:
+                post_mortem(err)
+            raise err
+
+    def _log(self, codes, traced: bool) -> None:
+        found, bad = origins(self.sites, codes, self.mode, self.bad)
+        self.bad |= bad
+        log = current_log(self.mode.log)
+        if log is None:
+            return
+        for site, code, path in found:
+            operands = None if traced else self._operands(site, path)
+            text = message(site, code, self.producers, self.mode, traced, path)
+            log.events.append(event(site, code, path, text, operands))
+
+
+def post_mortem(err: AnomalyError) -> None:
+    """Open pdb in the first caller frame outside tapegrad and jax, with ``anomaly`` (the
+    error: its ``.record`` and ``.operands``) among its locals."""
+    frame = sys._getframe(1)
+    while frame is not None and _internal(frame.f_code.co_filename):
+        frame = frame.f_back  # type: ignore[assignment]
+    print(err, file=sys.stderr)
+    print(
+        "tapegrad: post-mortem at the call that ran the failing record; the error is "
+        "`anomaly` (anomaly.record, anomaly.operands). `c` continues and raises it.",
+        file=sys.stderr,
+    )
+    if frame is None:
+        return
+    debugger = pdb.Pdb()
+    debugger.reset()
+    frame.f_locals["anomaly"] = err  # pdb reads this dict as the frame's locals
+    debugger.set_trace(frame)
+
+
+_PKG = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_JAX = os.path.dirname(os.path.abspath(jax.__file__)) + os.sep
+
+
+def _internal(path: str) -> bool:
+    return path.startswith((_PKG, _JAX)) or path.startswith("<frozen")

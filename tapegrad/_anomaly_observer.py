@@ -28,16 +28,21 @@ def emit(
     producers: dict[int, Record],
     mode: AnomalyMode,
     values: Sequence[Any] = (),
+    observer: AnomalyObserver | None = None,
 ) -> list:
     """Check ``codes`` now (concrete values) or stage a check that does (traced values).
 
     Returns ``values``: under a trace, tied to the staged check (see `_stage`), so
-    the check runs whenever the compiled program computes them.
+    the check runs whenever the compiled program computes them. ``observer``: the one
+    whose pass this is (its kept operands and the values found bad so far).
     """
     values = list(values)
     if not codes:
         return values
-    report = _Report(sites, producers, mode)
+    if observer is None:
+        report = _Report(sites, producers, mode)
+    else:
+        report = _Report(sites, producers, mode, observer.operands, observer.bad)
     if not any(isinstance(c, jax.core.Tracer) for c in codes):
         report(flat_codes(codes), traced=False)
         return values
@@ -110,6 +115,10 @@ class AnomalyObserver:
         self._producers: dict[int, Record] | None = None
         self.sites: list[Site] = []
         self.codes: list = []
+        # Eagerly, what each record read, kept until its pass is checked (an error's or
+        # an event's operands): (phase, record index) -> (names, values).
+        self.operands: dict[tuple[str, int], tuple[list[str], list]] = {}
+        self.bad: set = set()  # value keys found non-finite so far (forward, then backward)
 
     @property
     def producers(self) -> dict[int, Record]:
@@ -121,6 +130,7 @@ class AnomalyObserver:
         """An observer for one more backward pass over the same tape (``vjp_fn`` calls)."""
         new = AnomalyObserver(self.mode, self.tape, self.input_labels)
         new._producers = self._producers
+        new.bad = self.bad
         return new
 
     def _add(self, site: Site, value) -> None:
@@ -148,11 +158,16 @@ class AnomalyObserver:
         if self.mode.forward:
             for k, (v, x) in enumerate(zip(rec.outputs, outs)):
                 self._add(Site("forward", k, rec, v), x)
+            if _concrete(ins):
+                self.operands[("forward", rec.index)] = ([str(u) for u in rec.inputs], ins)
 
     def backward_record(self, rec: Record, cts: list, in_cts: Sequence[Any]) -> None:
         for i, ct in enumerate(in_cts):
             if ct is not None and i < len(rec.inputs) and rec.active[i]:
                 self._add(Site("backward", i, rec, rec.inputs[i]), ct)
+        if _concrete(cts):
+            names = [f"cotangent of {o}" for o in rec.outputs]
+            self.operands[("backward", rec.index)] = (names, list(cts))
 
     # -- called by the transforms
     def forward_done(
@@ -175,8 +190,8 @@ class AnomalyObserver:
         traced = any(isinstance(c, jax.core.Tracer) for c in self.codes)
         if defer_traced and traced:
             return outs
-        outs = emit(self.sites, self.codes, self.producers, self.mode, outs)
-        self.sites, self.codes = [], []
+        outs = emit(self.sites, self.codes, self.producers, self.mode, outs, self)
+        self.sites, self.codes, self.operands = [], [], {}
         return outs
 
     def cotangents_in(self, cts: Sequence[Any]) -> None:
@@ -188,9 +203,13 @@ class AnomalyObserver:
     def backward_done(self, values: Sequence[Any] = ()) -> list:
         """Check what is pending (the deferred forward, then backward); returns ``values``
         (the gradients, tied to the check under a trace)."""
-        values = emit(self.sites, self.codes, self.producers, self.mode, values)
-        self.sites, self.codes = [], []
+        values = emit(self.sites, self.codes, self.producers, self.mode, values, self)
+        self.sites, self.codes, self.operands = [], [], {}
         return values
+
+
+def _concrete(values: Sequence[Any]) -> bool:
+    return not any(isinstance(v, jax.core.Tracer) for v in values)
 
 
 def observer(mode: AnomalyMode | None, tape: Tape, in_tree: Any = None) -> AnomalyObserver | None:

@@ -67,7 +67,16 @@ class AnomalyError(TapegradError, FloatingPointError):
     the check runs in a host callback, and jax re-raises it as its own runtime error
     (``jax.errors.JaxRuntimeError``, or `ValueError` from jax's C++ dispatch) whose
     message carries this error's text (the record and its source line).
+
+    ``record``: the `Record` whose output (or VJP rule's output) failed the check;
+    ``operands``: eagerly, summaries of what it read (`tapegrad._anomaly_log.Operand`:
+    shape, dtype, NaN/Inf counts, min/max of the finite values), else None.
     """
+
+    def __init__(self, message: str = "", record=None, operands=None):
+        super().__init__(message)
+        self.record = record
+        self.operands = operands
 
 
 class MissingRuleError(TapegradError, NotImplementedError):
