@@ -15,8 +15,8 @@ fails is reported with the record, its source line, and the records that
 fed it, like PyTorch's ``detect_anomaly`` ("Function 'LogBackward0' returned
 nan values in its 0th output" plus the forward traceback).
 
-How it stays cheap: each check is one fused ``max(abs(x))`` reduction on
-device (NaN if ``x`` has a NaN, inf if it has an Inf), giving one float per
+How it stays cheap: each check is one jitted ``max(abs(x))`` and ``any(isnan(x))``
+on device (NaN if ``x`` has a NaN, inf if it has an Inf), giving one float per
 value; those of a whole forward (or backward) pass travel to the host
 together, once per pass. Eagerly they are fetched
 and checked at the end of the pass (forward before backward starts). Under a

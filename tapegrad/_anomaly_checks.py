@@ -58,17 +58,20 @@ OK, NAN, INF = 0, 1, 2
 
 
 def _probe(x):
-    """``max |x|`` as a float32 scalar: NaN if ``x`` has a NaN (XLA's max propagates NaN),
-    +inf if it has an Inf and no NaN, finite otherwise.
+    """``max |x|`` as a float32 scalar, NaN if ``x`` has a NaN: +inf if it has an Inf and
+    no NaN, finite otherwise.
 
-    One fused reduction that reads ``x`` once; ``any(isnan(x))`` costs a boolean array and
-    more kernels on CPU. A finite float64 maximum is reported as 0 so that the cast to
-    float32 cannot overflow into a false Inf.
+    NaN is found by ``any(isnan(x))``, not by the maximum: XLA's CPU reduce-max drops NaNs
+    in arrays of a few thousand elements or more (jax 0.10.2: ``jnp.max`` of 4,096 ones
+    with one NaN is 1.0, of 262,144 NaNs is -inf), so a maximum alone misses them. Both
+    reductions read ``x`` in one jitted call. A finite float64 maximum is reported as 0
+    so that the cast to float32 cannot overflow into a false Inf.
     """
     m = jnp.max(jnp.abs(x), initial=0)
     if jnp.dtype(m.dtype).itemsize > 4:
         m = jnp.where(jnp.isfinite(m), jnp.zeros((), m.dtype), m)
-    return m.astype(jnp.float32)
+    m = m.astype(jnp.float32)
+    return jnp.where(jnp.any(jnp.isnan(x)), jnp.float32(jnp.nan), m)
 
 
 _probe_jit = jax.jit(_probe)  # eagerly: one dispatch per checked value

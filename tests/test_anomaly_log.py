@@ -149,3 +149,17 @@ def test_vjp_fn_called_later_logs_into_its_block():
         _, vjp_fn = tg.vjp(two_origins, X)
         vjp_fn(jnp.ones(()))
     assert [e.phase for e in log.events] == ["forward", "backward"]
+
+
+@pytest.mark.parametrize("n", [4, 4096, 262_144])
+def test_a_nan_in_a_large_array_is_found(n):
+    """XLA's CPU reduce-max drops NaNs in large arrays: the check must not rely on it."""
+
+    def f(x):
+        return jnp.sum(jnp.sqrt(x - 1.0))  # NaN where x < 1
+
+    x = jnp.ones(n).at[n // 3].set(0.0)
+    with pytest.raises(tg.AnomalyError, match="NaN in the output of 'sqrt'"), tg.detect_anomaly():
+        tg.grad(f)(x)
+    with pytest.raises(tg.AnomalyError, match="NaN in the output of 'sqrt'"), tg.detect_anomaly():
+        tg.grad(f)(jnp.zeros(n))  # every element NaN

@@ -233,7 +233,8 @@ display(reports["save"].compare(jr))
 # ## When training diverges: where the first non-finite value came from
 #
 # Push the learning rate until the loss blows up, then replay the first step whose loss
-# is not finite under `tg.detect_anomaly()`: it names the record and your source line.
+# is not finite under `tg.detect_anomaly(halt=False)`: it runs to the end and logs every
+# origin of a NaN or Inf — the record, your source line, what it read.
 
 # %%
 hot = optax.sgd(1e4)
@@ -255,9 +256,11 @@ for i in range(20):
 assert bad is not None, "the learning rate did not make training diverge"
 
 warnings.filterwarnings("ignore", "tapegrad anomaly detection is enabled")
-try:
-    with tg.detect_anomaly():
-        tg.grad(loss)(bad[0], *batch(bad[1]))
-    raise AssertionError("anomaly mode found nothing")
-except tg.AnomalyError as err:
-    print(err)
+with tg.detect_anomaly(check_inf=True, halt=False) as log:
+    tg.grad(loss)(bad[0], *batch(bad[1]))
+display(log)  # every origin, forward and backward, not their copies downstream
+assert len(log.events) >= 1
+first = log.events[0]
+print(first.phase, first.primitive, first.source)
+for op in first.operands or ():
+    print("   ", op)
