@@ -168,6 +168,10 @@ def report_head(rep) -> list[str]:
         lines.extend(
             textwrap.wrap(note, WIDTH, initial_indent="  note: ", subsequent_indent="        ")
         )
+    for note in getattr(rep, "policy_notes", ()):
+        lines.extend(
+            textwrap.wrap(note, WIDTH, initial_indent="  policy: ", subsequent_indent="          ")
+        )
     return lines
 
 
@@ -448,11 +452,12 @@ def report_html(rep) -> str:
         ),
         src_cells,
     )
-    notes = getattr(rep, "notes", ())
+    notes = [f"note: {n}" for n in getattr(rep, "notes", ())]
+    notes += [f"policy: {n}" for n in getattr(rep, "policy_notes", ())]
     if notes:
         extra = (
             '<div class="tg-notes">'
-            + "".join(f"<div>note: {e(n)}</div>" for n in notes)
+            + "".join(f"<div>{e(n)}</div>" for n in notes)
             + "</div>"
             + extra
         )

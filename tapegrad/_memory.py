@@ -13,6 +13,7 @@ module holds the report itself and `memory_report`, the public entry.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from tapegrad._display_report import report_html, report_text
 from tapegrad._graph import report_graph
 from tapegrad._interpret import forward
 from tapegrad._memory_accounting import _arrays
+from tapegrad._memory_notes import policy_notes, warn_once
 from tapegrad._memory_plot import plot_plan, plot_report
 from tapegrad._memory_report import RecordMemory, report_fields
 from tapegrad._memory_unseen import UnseenBackward, vjp_residual_bytes
@@ -122,6 +124,11 @@ class MemoryReport:
     # this run measured them (`plot_plan` draws both).
     planned_timeline: tuple[tuple[str, int], ...] | None = field(repr=False, default=None)
     measured_plan_timeline: tuple[tuple[str, int], ...] | None = field(repr=False, default=None)
+    # When a policy asked to move, compress or recompute residuals changed no byte (an
+    # offload() of a program whose residuals are all its inputs, a selective predicate
+    # that matched nothing, a budget above save()'s bytes): one line each
+    # (`tapegrad._memory_notes`); memory_report also warns once per policy object.
+    policy_notes: tuple[str, ...] = ()
 
     @property
     def beyond_inputs_bytes(self) -> int:
@@ -215,6 +222,11 @@ def memory_report(fun: Callable, argnums: int | Sequence[int] = 0, *, policy: An
         t = _Traced(fun, args, lambda i: owners[i] in nums, False, "memory_report", pol)
         _, res = forward(t.tape, t.flat, pol)
         jax.block_until_ready(_arrays(list(res.store.values())))
-        return report_from_run(t.tape, res, pol, t.flat)
+        rep = report_from_run(t.tape, res, pol, t.flat)
+        notes = policy_notes(pol, t.tape, t.unplanned, rep)
+        if notes:
+            warn_once(pol, notes)
+            rep = dataclasses.replace(rep, policy_notes=notes)
+        return rep
 
     return report_f
