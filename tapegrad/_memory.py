@@ -35,8 +35,8 @@ from tapegrad._memory_unseen import (
 from tapegrad._policy import is_plain, resolve_policy, resolve_prefetch
 from tapegrad._tape import Record, Tape, array_nbytes, as_dtype, custom_vjp_name
 from tapegrad._transforms import _argnums_tuple, _leaf_owners, _Traced
+from tapegrad.planner import Budget, segment_flops
 from tapegrad.policies._lowbit import LowBit, residual_name
-from tapegrad.policies.budget import Budget, segment_flops
 from tapegrad.policies.compress import Compress
 
 __all__ = ["MemoryReport", "RecordMemory", "UnseenBackward", "memory_report", "vjp_residual_bytes"]
@@ -626,7 +626,7 @@ def report_from_run(tape: Tape, res, policy, args: Sequence[Any] = ()) -> Memory
         if isinstance(k, int) and k in input_ids:
             add_kind(k)
     input_live = live
-    # The schedule as a budget's planner sees it (`_planner_joint.Timeline`): device and
+    # The schedule as a budget's planner sees it (`planner.joint.Timeline`): device and
     # compressed bytes of activations (the tape's own inputs not counted) at the end of
     # forward, at each recomputation and during each record's backward.
     inp = {k for k in sizes if isinstance(k, int) and k in input_ids}
