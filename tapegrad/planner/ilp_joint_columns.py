@@ -199,7 +199,6 @@ def _values(
     hbytes = opts.stored.astype(np.float64)
     if early_runs:
         hbytes += opts.copied * np.array([k in first for k in keys])[:, None]
-
     return Layout(
         recs, n, fixed, producer, order, T, can_rerun, first, last, readers, keys, kidx, full,
         opts, kprod, ycols, hbytes, col=n + ny,

@@ -1,8 +1,9 @@
 """The joint ILP's model (`ilp_joint` solves it and decodes its plans): columns,
 objective and rows of an integer program over per-record save/recompute and
 per-residual mechanisms whose optimum is a lower bound on the predicted step time of
-every plan the executor can run within the budget. Here: the formulation and why it is
-a relaxation.
+every plan the executor can run within the budget. Here: the formulation, why it is
+a relaxation, `Model` and `build`, its switches (`WINDOW`, `SUPPORT_LAYERS`, ...); the
+columns are numbered in `ilp_joint_columns` and the rows written in `ilp_joint_rows`.
 
 The executor's segments (`_checkpoint.build_segments`: connected components of the
 re-run records, each re-run once at backward's first need of any of its values) are
