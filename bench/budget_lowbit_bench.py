@@ -8,7 +8,7 @@ tokens) and error class (lossless, bf16, int8, 4-bit, 2-bit), with ``allow=("sav
 "compress")`` and with every mechanism:
 
 1. the least device peak of activations the planner reaches (bisection on the budget;
-   `BudgetError` below it), as a fraction of save()'s (`budget.estimate`), and the
+   `BudgetError` below it), as a fraction of save()'s (`planner.problem.estimate`), and the
    measured peak of that plan (live arrays, eager): how far each class moves the floor;
 2. at a budget below bf16's floor (30% of save()'s activation peak on the MLP, 75% on
    the transformer): the plan's mechanisms, its
@@ -33,8 +33,8 @@ from _models import mlp_loss, mlp_params, split_static, transformer_loss, transf
 from _timing import interleaved  # noqa: E402
 
 import tapegrad as tg  # noqa: E402
-from tapegrad.policies._planner_measure import measured_peak  # noqa: E402
-from tapegrad.policies.budget import estimate  # noqa: E402
+from tapegrad.planner import estimate  # noqa: E402
+from tapegrad.planner.measure import measured_peak  # noqa: E402
 
 P = tg.policies
 CLASSES = (None, "bf16", "int8", "4-bit", "2-bit")

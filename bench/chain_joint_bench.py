@@ -1,4 +1,4 @@
-"""The exact joint chain program (`_planner_chain_joint`) against the two-stage joint
+"""The exact joint chain program (`planner.chain_joint`) against the two-stage joint
 planner (save/recompute plans first, then mechanisms per residual), in one run:
 
     python bench/chain_joint_bench.py [--quick] [--exhaustive]
@@ -11,7 +11,7 @@ policy reaches with the chain program among its candidates, their ratio (never a
 and planning wall time (two-stage; with the program; the program alone).
 
 ``--exhaustive`` first checks the program against brute force (every save/recompute
-assignment and every mechanism, scored by `_planner_joint.timeline`/`evaluate`) on 6-
+assignment and every mechanism, scored by `planner.joint.timeline`/`evaluate`) on 6-
 and 7-layer MLPs with offload, as ``tests/policies/test_planner_chain_joint.py`` does
 on shallower ones (the 7-layer brute force takes about a minute).
 
@@ -29,12 +29,12 @@ import jax
 import jax.numpy as jnp
 
 import tapegrad as tg
-from tapegrad.policies import _planner_chain_joint as cj
-from tapegrad.policies._cost import CostModel
-from tapegrad.policies.budget import Budget, estimate
+from tapegrad.planner import Budget, estimate
+from tapegrad.planner import chain_joint as cj
+from tapegrad.planner.cost import CostModel
 
 ALL = ("save", "recompute", "offload", "compress")
-# Fixed figures: a CPU's (`_cost.DEFAULTS`), a GPU's, and one in between where neither
+# Fixed figures: a CPU's (`planner.cost.DEFAULTS`), a GPU's, and one in between where neither
 # recomputation nor transfers are cheap next to the other.
 COSTS = {
     "cpu": CostModel(5e10, 5e9, 5e9, 2e9),
@@ -61,7 +61,7 @@ def chain(depth: int):
 
 
 def plan(tape, bytes: int, with_program: bool, costs: CostModel):
-    budget_mod = sys.modules["tapegrad.policies.budget"]
+    budget_mod = sys.modules["tapegrad.planner.candidates"]
     saved = budget_mod._chain_joint
     if not with_program:
         budget_mod._chain_joint = lambda *a: []

@@ -2,8 +2,8 @@
 
     python bench/chain_plan_time.py [--layers 32 60 330 500]
 
-Chains are where the exact programs run (`_planner_chain` for save/recompute up to
-`budget.CHAIN_DP_RECORDS` records, `_planner_chain_joint` for the joint plan up to its
+Chains are where the exact programs run (`planner.chain` for save/recompute up to
+`planner.candidates.CHAIN_DP_RECORDS` records, `planner.chain_joint` for the joint plan up to its
 `MAX_RECORDS`); longer chains get the bounded searches. Prints, per chain and budget (90%
 and 40% of save()'s peak), the wall time of one plan, the plan family and its predicted
 step time (fixed cost figures: 5e10 flop/s, 5e9 B/s each way, compress 2e9 B/s).
@@ -18,8 +18,8 @@ import _results
 import jax.numpy as jnp
 
 import tapegrad as tg
-from tapegrad.policies._cost import CostModel
-from tapegrad.policies.budget import estimate
+from tapegrad.planner import estimate
+from tapegrad.planner.cost import CostModel
 
 COSTS = CostModel(5e10, 5e9, 5e9, 2e9)
 ALL = ("save", "recompute", "offload", "compress")

@@ -22,7 +22,7 @@ from _models import mlp_params, split_static, transformer_block, transformer_par
 from _timing import interleaved
 
 import tapegrad as tg
-from tapegrad.policies.budget import estimate
+from tapegrad.planner import estimate
 
 P = tg.CheckpointPolicy
 

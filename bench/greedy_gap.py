@@ -1,5 +1,5 @@
-"""The greedy mechanism completion (`_planner_joint.assign_greedy`) against the exact
-one (`_planner_ilp.solve`, no work limit), on the timelines `Budget` completes:
+"""The greedy mechanism completion (`planner.joint.assign_greedy`) against the exact
+one (`ilp.solve`, no work limit), on the timelines `Budget` completes:
 
     python bench/greedy_gap.py [--quick] [--per-cell N] [--flips N] [--cache PATH]
 
@@ -29,13 +29,17 @@ import numpy as np
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 import tapegrad as tg  # noqa: E402
 from bench.ilp_bench import ALL, COSTS, families, floor_of  # noqa: E402
-from tapegrad.policies import _planner_ilp  # noqa: E402
-from tapegrad.policies import _planner_joint as joint  # noqa: E402
-from tapegrad.policies._planner_joint import _fewest_bytes, live_bytes  # noqa: E402
-from tapegrad.policies._planner_search import Scorer  # noqa: E402
-from tapegrad.policies.budget import Budget, BudgetError, estimate  # noqa: E402
+from tapegrad.planner import (  # noqa: E402
+    Budget,
+    BudgetError,
+    estimate,
+    ilp,  # noqa: E402
+    joint,  # noqa: E402
+)
+from tapegrad.planner.joint import _fewest_bytes, live_bytes  # noqa: E402
+from tapegrad.planner.scorer import Scorer  # noqa: E402
 
-B = sys.modules["tapegrad.policies.budget"]
+B = sys.modules["tapegrad.planner.candidates"]
 
 
 def greedy_before(tl, opts, budget):
@@ -162,7 +166,7 @@ def exact_of(items: list) -> list:
         if joint.least_bytes(tl, opts) > b:
             ex.append(None)
             continue
-        c = _planner_ilp.solve(tl, opts, b, work=None, time_limit=10)
+        c = ilp.solve(tl, opts, b, work=None, time_limit=10)
         ex.append(None if c is None else joint.evaluate(tl, opts, c)[1])
     return ex
 
@@ -183,7 +187,7 @@ def timed(fn, items: list, reps: int) -> tuple[list, np.ndarray]:
 def plans(quick: bool, max_records: int | None) -> None:
     """`Budget`'s plan on every cell (the ILP's where highspy is importable): one line
     per cell, predicted µs and planning seconds, and the totals."""
-    print(f"highspy: {_planner_ilp.available()}")
+    print(f"highspy: {ilp.available()}")
     print("| family | size | records | budget | predicted µs | plan s |")
     print("|---|---|---|---|---|---|")
     tot_us, tot_s = 0.0, 0.0
@@ -221,7 +225,7 @@ def main() -> None:
     if a.plans:
         plans(a.quick, a.max_records)
         return
-    if not _planner_ilp.available():
+    if not ilp.available():
         print("highspy not installed (pip install tapegrad[planner]): nothing to measure")
         return
     if a.cache and os.path.exists(a.cache):

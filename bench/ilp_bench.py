@@ -1,5 +1,5 @@
 """The joint planner (`budget(allow=("save", "recompute", "offload", "compress"))`)
-against the joint ILP's lower bound (`_planner_ilp_joint`), in one run:
+against the joint ILP's lower bound (`planner.ilp_joint`), in one run:
 
     python bench/ilp_bench.py [--quick] [--limit SECONDS]
 
@@ -42,13 +42,17 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tapegrad as tg  # noqa: E402
-from tapegrad.policies import _planner_ilp  # noqa: E402
-from tapegrad.policies import _planner_ilp_joint as J  # noqa: E402
-from tapegrad.policies import _planner_joint as joint  # noqa: E402
-from tapegrad.policies._cost import CostModel  # noqa: E402
-from tapegrad.policies._planner_fast import TapeIndex  # noqa: E402
-from tapegrad.policies._planner_search import Scorer  # noqa: E402
-from tapegrad.policies.budget import Budget, BudgetError, estimate  # noqa: E402
+from tapegrad.planner import (  # noqa: E402
+    Budget,
+    BudgetError,
+    estimate,
+    ilp,  # noqa: E402
+    joint,  # noqa: E402
+)
+from tapegrad.planner import ilp_joint as J  # noqa: E402
+from tapegrad.planner.cost import CostModel  # noqa: E402
+from tapegrad.planner.index import TapeIndex  # noqa: E402
+from tapegrad.planner.scorer import Scorer  # noqa: E402
 from tests.policies.test_planner_ilp_joint import (  # noqa: E402
     block,
     block_args,
@@ -59,7 +63,7 @@ from tests.policies.test_planner_ilp_joint import (  # noqa: E402
     varied_dag,
 )
 
-B = sys.modules["tapegrad.policies.budget"]  # the module (the package exports the function)
+B = sys.modules["tapegrad.planner.candidates"]  # work limits, candidate sources
 ALL = ("save", "recompute", "offload", "compress")
 MECHS = ("offload", "bf16")  # max_error="bf16"
 COSTS = CostModel(5e10, 5e9, 5e9, 2e9)
@@ -224,7 +228,7 @@ def brute(tape, fixed, b):
         if best is not None and rs >= best:
             continue
         opts = joint.options(tl, MECHS, COSTS)
-        c = _planner_ilp.solve(tl, opts, b)
+        c = ilp.solve(tl, opts, b)
         if c is None:
             continue
         peak, secs = joint.evaluate(tl, opts, c)
@@ -286,15 +290,17 @@ def main() -> None:
     ap.add_argument("--limit", type=float, default=10.0, help="ILP time limit, seconds")
     ap.add_argument("--small", action="store_true", help="section 2 only")
     ap.add_argument("--plans", action="store_true", help="the plans only, no bound")
-    ap.add_argument("--set", default="", help="budget constants, NAME=VALUE,...")
+    ap.add_argument(
+        "--set", default="", help="work limits (tapegrad.planner.candidates), NAME=VALUE,..."
+    )
     _results.add_arguments(ap)
     a = ap.parse_args()
     for item in filter(None, a.set.split(",")):
         name, value = item.split("=")
         if not hasattr(B, name):
-            raise SystemExit(f"no constant {name} in tapegrad.policies.budget")
+            raise SystemExit(f"no constant {name} in tapegrad.planner.candidates")
         setattr(B, name, int(value))
-    if not _planner_ilp.available():
+    if not ilp.available():
         print("highspy not installed (pip install tapegrad[planner]): nothing to measure")
         return
     _results.start(a)

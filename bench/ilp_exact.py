@@ -1,13 +1,13 @@
-"""The true optimum of the joint plan on DAGs (`_planner_ilp_joint.optimum`: the joint
+"""The true optimum of the joint plan on DAGs (`planner.ilp_joint.optimum`: the joint
 ILP's relaxation cut down to the executor's plans by no-good cuts), and `Budget`'s gap
 to it:
 
     python bench/ilp_exact.py [--cells quick|all] [--records 69,90] [--seconds S] [--budgets N]
                               [--pick 4]
 
-`_planner_ilp_joint`'s model is a relaxation: its optimum is below every executor plan
+`planner.ilp_joint`'s model is a relaxation: its optimum is below every executor plan
 within the budget, but its decisions may not fit the budget under the executor's
-schedule (`_planner_joint.timeline` counts bytes the model does not). A gap to that
+schedule (`planner.joint.timeline` counts bytes the model does not). A gap to that
 bound mixes the planner's loss with the relaxation's. `optimum` separates them: it
 scores the model's decisions exactly, cuts them off and solves again, so its lower
 bound rises from the relaxation's towards the optimum, and reaches it when it proves
@@ -37,8 +37,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tapegrad as tg  # noqa: E402
 from bench.ilp_bench import ALL, COSTS, MECHS, families, floor_of, fmt, heuristic  # noqa: E402
-from tapegrad.policies import _planner_ilp_joint as J  # noqa: E402
-from tapegrad.policies.budget import Budget, BudgetError, estimate  # noqa: E402
+from tapegrad.planner import Budget, BudgetError, estimate  # noqa: E402
+from tapegrad.planner import ilp_joint as J  # noqa: E402
 
 
 def exact(tape, b: int, seconds: float, any_depth: bool = False) -> dict:

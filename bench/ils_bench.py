@@ -1,4 +1,4 @@
-"""The joint search's kicks (`_planner_search.iterate_joint`) on the worst cells of
+"""The joint search's kicks (`planner.search.iterate_joint`) on the worst cells of
 `bench/ilp_bench.py`, and what they cost:
 
     python bench/ils_bench.py [--families]
@@ -29,10 +29,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tapegrad as tg  # noqa: E402
 from bench.ilp_bench import ALL, COSTS, families, floor_of, fmt  # noqa: E402
-from tapegrad.policies.budget import Budget, BudgetError, estimate  # noqa: E402
+from tapegrad.planner import Budget, BudgetError, estimate  # noqa: E402
 from tests.policies.test_planner_ilp_joint import unet, unet_args, varied_dag  # noqa: E402
 
-B = sys.modules["tapegrad.policies.budget"]
+B = sys.modules["tapegrad.planner.candidates"]
 
 # (budget as a fraction of save()'s peak, rounded as ilp_bench prints it): (annealing's
 # best, the bound), predicted µs, bench/RESULTS.md "Issue 15".

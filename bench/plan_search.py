@@ -3,9 +3,9 @@
     python bench/plan_search.py [--cells gap|all] [--seconds S] [--lower S] [--seed N]
 
 `bench/ilp_exact.py` puts `Budget`'s plan against the proved lower bound of
-`_planner_ilp_joint.optimum`; where the two are far apart the gap is the planner's
+`planner.ilp_joint.optimum`; where the two are far apart the gap is the planner's
 (faster plans exist) or the bound's (the relaxation is loose). This looks for faster
-plans with a heavy search, every plan scored as `_planner_ilp_joint.plan_seconds`
+plans with a heavy search, every plan scored as `planner.ilp_joint.plan_seconds`
 scores it (the executor's timeline, exact per-residual mechanisms by HiGHS), at
 `Budget`'s prefetch depth (min with 1, as ilp_exact compares):
 
@@ -39,11 +39,15 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tapegrad as tg  # noqa: E402
 from bench.ilp_bench import ALL, COSTS, MECHS, families, floor_of, fmt  # noqa: E402
-from tapegrad.policies import _planner_ilp  # noqa: E402
-from tapegrad.policies import _planner_ilp_joint as J  # noqa: E402
-from tapegrad.policies import _planner_joint as joint  # noqa: E402
-from tapegrad.policies._planner_fast import TapeIndex  # noqa: E402
-from tapegrad.policies.budget import Budget, BudgetError, estimate  # noqa: E402
+from tapegrad.planner import (  # noqa: E402
+    Budget,
+    BudgetError,
+    estimate,
+    ilp,  # noqa: E402
+    joint,  # noqa: E402
+)
+from tapegrad.planner import ilp_joint as J  # noqa: E402
+from tapegrad.planner.index import TapeIndex  # noqa: E402
 
 # (family, records, budget as % of save()'s peak) from RESULTS.md Session 12
 GAP_CELLS = [
@@ -83,7 +87,7 @@ class Exact:
             self.lower[dec] = rec_s
             return math.inf
         self.solves += 1
-        choice, _ = _planner_ilp.solve_proved(tl, opts, self.budget, time_limit=10.0)
+        choice, _ = ilp.solve_proved(tl, opts, self.budget, time_limit=10.0)
         v = None
         if choice is not None:
             peak, secs = joint.evaluate(tl, opts, choice)
@@ -274,7 +278,7 @@ def main() -> None:
     ap.add_argument("--lower", type=float, default=0.0, help="optimum's seconds (0: skip)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    if not _planner_ilp.available():
+    if not ilp.available():
         print("highspy not installed: nothing to search")
         return
     which = args.cells

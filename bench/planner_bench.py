@@ -35,12 +35,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "polic
 from test_planner_joint import _single, block, layered_dag  # noqa: E402
 
 import tapegrad as tg  # noqa: E402
-from tapegrad.policies import _planner_ilp  # noqa: E402
-from tapegrad.policies import _planner_joint as joint  # noqa: E402
-from tapegrad.policies._cost import CostModel  # noqa: E402
-from tapegrad.policies._planner_measure import measured_peak  # noqa: E402
-from tapegrad.policies._planner_search import Scorer  # noqa: E402
-from tapegrad.policies.budget import Budget, estimate  # noqa: E402
+from tapegrad.planner import (  # noqa: E402
+    Budget,
+    estimate,
+    ilp,  # noqa: E402
+    joint,  # noqa: E402
+)
+from tapegrad.planner.cost import CostModel  # noqa: E402
+from tapegrad.planner.measure import measured_peak  # noqa: E402
+from tapegrad.planner.scorer import Scorer  # noqa: E402
 
 P = tg.policies
 ALL = ("save", "recompute", "offload", "compress")
@@ -87,7 +90,7 @@ def quality(quick: bool, costs: CostModel = COSTS) -> None:
         f"costs: {costs.d2h_bytes_per_s:.0e} B/s each way, "
         f"compress {costs.compress_bytes_per_s:.0e} B/s"
     )
-    if not _planner_ilp.available():
+    if not ilp.available():
         print("highspy not installed (pip install tapegrad[planner]): skipped")
         return
     print("| records | plans x budgets | worst greedy/ILP | mean | ILP time (max) |")
@@ -113,7 +116,7 @@ def quality(quick: bool, costs: CostModel = COSTS) -> None:
                 hi = joint.evaluate(tl, opts, np.zeros(len(tl.keys), np.int64))[0]
                 for b in np.linspace(hi, lo, 7).astype(int)[1:]:
                     t0 = time.perf_counter()
-                    ex = _planner_ilp.solve(tl, opts, int(b), time_limit=10.0, work=None)
+                    ex = ilp.solve(tl, opts, int(b), time_limit=10.0, work=None)
                     worst_t = max(worst_t, time.perf_counter() - t0)
                     gr = joint.assign_greedy(tl, opts, int(b))
                     if ex is None or gr is None:

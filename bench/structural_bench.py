@@ -169,7 +169,7 @@ def run(name, f, args, argnums, rounds, out):
 
 
 def memory_row(name, f, args, argnums, rounds) -> str:
-    from tapegrad.policies._planner_measure import measured_peak
+    from tapegrad.planner.measure import measured_peak
 
     held_b = held(tg.vjp, f, args)
     rep = tg.memory_report(f, argnums=argnums)(*args)

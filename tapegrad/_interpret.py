@@ -475,7 +475,7 @@ def backward(
         if prefetch:
             # Start bringing the next records' residuals back now: jax dispatch is
             # asynchronous, so the copies overlap the compute of the records between
-            # (``prefetch`` of them: `_cost.prefetch_depth` for offload's "auto").
+            # (``prefetch`` of them: `planner.cost.prefetch_depth` for offload's "auto").
             for nxt in order[n + 1 : n + 1 + prefetch]:
                 for s, key in zip(nxt.saves, res.keys.get(nxt.index, ())):
                     if key not in unpacked and key in store:

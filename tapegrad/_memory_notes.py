@@ -22,7 +22,7 @@ from tapegrad._checkpoint import Selective, plan_recompute
 from tapegrad._display import human_bytes
 from tapegrad._policy import SAVE
 from tapegrad._tape import Tape
-from tapegrad.policies.budget import Budget
+from tapegrad.planner import Budget
 from tapegrad.policies.compress import Compress
 from tapegrad.policies.hooks import Route
 from tapegrad.policies.loops import ScanCheckpoint

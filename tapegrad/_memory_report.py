@@ -17,7 +17,7 @@ from tapegrad._memory_accounting import _Acc, _add, _Body, _devices, _is_body_ke
 from tapegrad._memory_timeline import replay
 from tapegrad._memory_unseen import unseen_backwards, unseen_notes
 from tapegrad._tape import Tape, custom_vjp_name
-from tapegrad.policies.budget import Budget, segment_flops
+from tapegrad.planner import Budget, segment_flops
 
 __all__ = ["RecordMemory", "report_fields"]
 

@@ -96,7 +96,7 @@ def replay(
         if isinstance(k, int) and k in input_ids:
             add_kind(k)
     input_live = live
-    # The schedule as a budget's planner sees it (`_planner_joint.Timeline`): device and
+    # The schedule as a budget's planner sees it (`tapegrad.planner.joint.Timeline`): device and
     # compressed bytes of activations (the tape's own inputs not counted) at the end of
     # forward, at each recomputation and during each record's backward.
     inp = {k for k in sizes if isinstance(k, int) and k in input_ids}

@@ -14,7 +14,7 @@ from conftest import assert_trees_close, rand
 
 import tapegrad as tg
 from tapegrad import _fused, _interpret, _rebuild
-from tapegrad.policies._planner_measure import measured_peak
+from tapegrad.planner.measure import measured_peak
 
 RATE = 0.25
 

@@ -12,8 +12,11 @@ from tapegrad._policy import (
     residual_policy,
     save,
 )
+from tapegrad.planner import CostModel, calibrate
 from tapegrad.policies._allocate import BitAllocation
-from tapegrad.policies._cost import CostModel, calibrate
+
+# Through the submodule: importing it binds ``tapegrad.policies.budget`` to the module,
+# which the function then replaces here, once (a later import would not rebind it).
 from tapegrad.policies.budget import Budget, BudgetError, budget
 from tapegrad.policies.compress import Compress, Int8, compress
 from tapegrad.policies.hooks import Hooks, Route, hooks, route, saved_tensors_hooks

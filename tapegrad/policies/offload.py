@@ -50,7 +50,7 @@ class Offload:
             )
         self.memory_kind, self.min_bytes, self.inputs = memory_kind, min_bytes, inputs
         # How many records ahead backward starts bringing residuals back, so the copies
-        # overlap compute: "auto" asks the cost model (`_cost.prefetch_depth`).
+        # overlap compute: "auto" asks the cost model (`planner.cost.prefetch_depth`).
         self.prefetch = prefetch
 
     def _keeps(self, info) -> bool:

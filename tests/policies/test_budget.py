@@ -15,10 +15,9 @@ import pytest
 from jax.experimental import io_callback
 
 import tapegrad as tg
-from tapegrad.policies import _planner_search as search
-from tapegrad.policies._planner_chain import as_chain, chain_plan
-from tapegrad.policies._planner_search import CLASSES, Scorer
-from tapegrad.policies.budget import Budget, estimate
+from tapegrad.planner import Budget, estimate, families
+from tapegrad.planner.chain import as_chain, chain_plan
+from tapegrad.planner.scorer import CLASSES, Scorer
 
 P = tg.CheckpointPolicy
 
@@ -176,7 +175,7 @@ def test_stage_program_beats_uniform_cuts_on_a_deep_residual_stack():
         peak, flops = sc.score(dec)
         assert peak <= pol.bytes and pol.last["plan"].startswith("stage DP")
         cuts = Scorer(tape, [None] * n, pol.bytes)
-        search.cut_plans(cuts)
+        families.cut_plans(cuts)
         assert flops < 0.9 * cuts.best[0]
 
 

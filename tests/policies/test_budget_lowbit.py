@@ -14,10 +14,10 @@ import pytest
 
 import tapegrad as tg
 from tapegrad._checkpoint import plan_recompute
-from tapegrad.policies import _planner_joint as joint
-from tapegrad.policies._cost import CostModel, compressed_nbytes
+from tapegrad.planner import joint
+from tapegrad.planner.cost import CostModel, compressed_nbytes
+from tapegrad.planner.measure import measured_peak
 from tapegrad.policies._lowbit import LowBit
-from tapegrad.policies._planner_measure import measured_peak
 from tests.conftest import run_on_8_cpu_devices
 from tests.policies.test_planner_joint import ALL, COSTS, mlp, save_peak
 
@@ -177,7 +177,7 @@ def test_sharded_low_bit_bytes_are_per_device():
         from jax.sharding import AxisType, NamedSharding, PartitionSpec as PS
         import tapegrad as tg
         from tapegrad._tape import Saved
-        from tapegrad.policies._cost import compressed_nbytes
+        from tapegrad.planner.cost import compressed_nbytes
 
         mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
         with jax.set_mesh(mesh):

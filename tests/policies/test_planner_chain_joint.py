@@ -1,6 +1,6 @@
-"""The exact joint program on chains (`_planner_chain_joint`): its predicted step time
+"""The exact joint program on chains (`planner.chain_joint`): its predicted step time
 equals brute force over every save/recompute assignment and every mechanism of every
-kept residual, scored by `_planner_joint.timeline` + `evaluate` (the model the budget
+kept residual, scored by `planner.joint.timeline` + `evaluate` (the model the budget
 policy scores with), at every budget including infeasible ones; binding decisions are
 kept; on the budget policy, the plan's gradients equal jax.grad's, its predicted peak
 is the peak measured from live arrays, and the joint result is never worse than the
@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 
 import tapegrad as tg
-from tapegrad.policies import _planner_joint as joint
-from tapegrad.policies._cost import CostModel
-from tapegrad.policies._planner_chain_joint import candidates, chain_joint_plan, joint_chain
-from tapegrad.policies._planner_measure import measured_peak
-from tapegrad.policies._planner_search import Scorer
+from tapegrad.planner import joint
+from tapegrad.planner.chain_joint import candidates, chain_joint_plan, joint_chain
+from tapegrad.planner.cost import CostModel
+from tapegrad.planner.measure import measured_peak
+from tapegrad.planner.scorer import Scorer
 from tests.policies.test_budget import chain_aux, chain_mixed
 
 P = tg.policies
@@ -203,7 +203,7 @@ def test_no_candidate_off_chains():
 
 
 def _budget_with(tape_fn, args, b, mode_kw, costs, program: bool, monkeypatch):
-    mod = sys.modules["tapegrad.policies.budget"]
+    mod = sys.modules["tapegrad.planner.candidates"]
     if not program:  # two stages: save/recompute by flops, then mechanisms
         monkeypatch.setattr(mod, "_chain_joint", lambda *a: [])
         monkeypatch.setattr(mod, "JOINT_WORK", 0)  # nor the joint descent

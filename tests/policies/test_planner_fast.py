@@ -1,7 +1,7 @@
-"""The planner's scoring engine (`_planner_fast.TapeIndex`) against the executor's own
+"""The planner's scoring engine (`planner.index.TapeIndex`) against the executor's own
 functions: on random plans of chains, DAGs, checkpoint regions, derived residuals and
 loops, its segments are `build_segments`', its (peak, flops, kept sizes, per-record
-trace) are `budget.simulate`'s and its timelines `_planner_joint.timeline`'s on the
+trace) are `planner.problem.simulate`'s and its timelines `planner.joint.timeline`'s on the
 planned tape."""
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ import pytest
 
 import tapegrad as tg
 from tapegrad._checkpoint import build_segments
-from tapegrad.policies import _planner_joint as joint
-from tapegrad.policies._planner_fast import TapeIndex
-from tapegrad.policies.budget import simulate
+from tapegrad.planner import joint, simulate
+from tapegrad.planner.index import TapeIndex
 from tests.policies.test_budget import Cube, gated, make, residual2
 from tests.policies.test_planner_joint import block, layered_dag
 
@@ -153,8 +152,7 @@ def test_plans_that_build_the_same_segments_share_their_scores(name):
 def test_a_thousand_record_tape_plans_within_a_bounded_search():
     # A 300-layer MLP with residual adds (~900 records): the search simulates a bounded
     # number of plans (work, not wall clock), with the default allow and all four.
-    from tapegrad.policies import _planner_search as search
-    from tapegrad.policies.budget import Budget, estimate
+    from tapegrad.planner import Budget, estimate, scorer
     from tests.policies.test_planner_joint import COSTS
 
     def deep(ws, x):
@@ -169,7 +167,7 @@ def test_a_thousand_record_tape_plans_within_a_bounded_search():
     n = len(tape.records)
     assert n >= 900
     full = estimate(tape)[0]
-    bound = 2 * max(search.MIN_SCORES, search.WORK // n) + 4  # two searches at most
+    bound = 2 * max(scorer.MIN_SCORES, scorer.WORK // n) + 4  # two searches at most
     for kw in ({}, dict(allow=("save", "recompute", "offload", "compress"), max_error="int8")):
         pol = Budget(int(full * 0.4), costs=COSTS, **kw)
         dec = pol.plan(tape, [None] * n)

@@ -1,4 +1,4 @@
-"""The joint ILP (`_planner_ilp_joint`): its model is a relaxation of the executor's
+"""The joint ILP (`planner.ilp_joint`): its model is a relaxation of the executor's
 schedule (every plan the executor runs satisfies its rows at the same cost and no more
 bytes: checked on random plans, always); with highspy (not installed in CI), its bound
 is at most the brute-force optimum on tiny tapes, its decoded plans' gradients equal
@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 
 import tapegrad as tg
-from tapegrad.policies import _planner_ilp_joint as J
-from tapegrad.policies import _planner_ilp_joint_model as M
-from tapegrad.policies import _planner_joint as joint
-from tapegrad.policies._planner_search import Scorer
-from tapegrad.policies.budget import Budget, BudgetError, _to_canonical, estimate
+from tapegrad.planner import Budget, BudgetError, estimate, joint
+from tapegrad.planner import ilp_joint as J
+from tapegrad.planner import ilp_joint_model as M
+from tapegrad.planner.problem import _to_canonical
+from tapegrad.planner.scorer import Scorer
 from tests.policies.test_planner_joint import COSTS, block
 
 ALL = ("save", "recompute", "offload", "compress")
@@ -219,7 +219,7 @@ def _checked_plans(model, tape, mechs, seed):
 
 @pytest.mark.parametrize("name", ["unet", "dag", "block"])
 def test_early_copies_held_inputs_and_support_rows_hold_at_executor_plans_and_bind(name):
-    """The rows that tighten the bound (`_planner_ilp_joint_model`: early copies ``g``,
+    """The rows that tighten the bound (`planner.ilp_joint_model`: early copies ``g``,
     held inputs ``h`` in the run rows' base, support rows) on random executor plans of
     a U-Net, a random DAG and transformer blocks: every row holds at the plan's columns
     (`Model.at_plan`) and its bytes stay below the executor's at each point and run;
@@ -275,7 +275,7 @@ def test_early_runs_hold_at_executor_plans_and_bind(name):
 
 @pytest.mark.parametrize("name", ["unet", "dag", "block"])
 def test_segment_members_in_run_rows_hold_at_executor_plans_and_bind(name):
-    """The run rows' member terms (`_planner_ilp_joint_model`: values of earlier members
+    """The run rows' member terms (`planner.ilp_joint_model`: values of earlier members
     of a segment held at a record's step, ``s[a, q]``) on random executor plans: every
     row holds at the plan's columns (``s`` = one segment) and the bytes stay below the
     executor's at each point and run; some run rows count more with them than with
@@ -299,7 +299,7 @@ def test_segment_members_in_run_rows_hold_at_executor_plans_and_bind(name):
 
 @pytest.mark.parametrize("name", ["unet", "dag", "block"])
 def test_member_inputs_in_run_rows_hold_at_executor_plans_and_bind(name, monkeypatch):
-    """The run rows' member inputs (`_planner_ilp_joint_model`: a neighbour's kept inputs,
+    """The run rows' member inputs (`planner.ilp_joint_model`: a neighbour's kept inputs,
     segment inputs held through the run, ``INPUT_DEPTH``) on random executor plans:
     every row holds at the plan's columns and the bytes stay below the executor's at
     each point and run; at some runs they count more than every row without them."""
@@ -382,7 +382,7 @@ def test_member_prefixes_and_pruning_raise_the_bound_on_unets(monkeypatch):
     neither run; with the pruning rows it is 0.717 µs, an executor plan (the best
     known)."""
     pytest.importorskip("highspy")
-    from tapegrad.policies._planner_fast import TapeIndex
+    from tapegrad.planner.index import TapeIndex
 
     mechs = ("offload", "bf16")
     for (levels, convs), n, b, flag, before, after in [
@@ -404,7 +404,7 @@ def test_member_prefixes_and_pruning_raise_the_bound_on_unets(monkeypatch):
 @pytest.mark.parametrize("name", ["unet", "dag", "block"])
 def test_held_copies_hold_at_executor_plans_and_bind(name):
     """The bound's ``h`` counts a kept residual's copy with its stored bytes
-    (`_planner_ilp_joint_model`: made at its first use, held until a re-run reader's
+    (`planner.ilp_joint_model`: made at its first use, held until a re-run reader's
     segment runs): on random executor plans every row holds and the bytes stay below
     the executor's; on the DAG some ``h`` count more than the stored bytes alone (the
     plain model's, ``early_runs=False``)."""
@@ -431,7 +431,7 @@ def test_held_copies_raise_the_bound_on_a_dag():
     segment's run, counted nowhere (its stored bytes, 0, only). With the copies counted
     the optimum is 8.827 µs, an executor plan (`Budget`'s is 8.929)."""
     pytest.importorskip("highspy")
-    from tapegrad.policies._planner_fast import TapeIndex
+    from tapegrad.planner.index import TapeIndex
 
     f, args = varied_dag(6, 6, 3)
     tape = tg.trace(f, argnums=0)(*args)
@@ -474,7 +474,7 @@ def test_the_relaxation_rejects_what_the_executor_cannot_do():
 
 
 def _brute_optimum(tape, fixed, budget, mechs, prefetch=1):
-    from tapegrad.policies import _planner_ilp
+    from tapegrad.planner import ilp
 
     free = [i for i, f in enumerate(fixed) if f is None]
     sc = Scorer(tape, fixed, budget)
@@ -488,7 +488,7 @@ def _brute_optimum(tape, fixed, budget, mechs, prefetch=1):
         if rec_s >= best:
             continue
         opts = joint.options(tl, mechs, COSTS)
-        c = _planner_ilp.solve(tl, opts, budget)
+        c = ilp.solve(tl, opts, budget)
         if c is None:
             continue
         peak, secs = joint.evaluate(tl, opts, c)
@@ -566,7 +566,7 @@ def test_budget_plans_are_the_proved_optimum_on_small_dags(name, fracs):
     32% of save()'s), only the joint ILP decoded at the bound's window (`WIDE_RECORDS`)
     gives the optimum, 4.341 µs against 5.150; at 31% nothing fits: `Budget` raises and
     the relaxation is infeasible. The plan does not depend on the machine's load: the
-    ILP's solves stop at a count of work (`_planner_ilp.WORK`), not at the clock."""
+    ILP's solves stop at a count of work (`ilp.WORK`), not at the clock."""
     pytest.importorskip("highspy")
     f, args = {
         "dag": varied_dag(3, 3, 2),
@@ -598,7 +598,7 @@ def test_budget_plans_are_the_proved_optimum_on_small_dags(name, fracs):
 
 
 def test_ilp_solves_stop_at_a_count_of_work_not_at_the_clock():
-    """`Budget`'s ILP solves stop at `_planner_ilp.WORK` (HiGHS's rounds times the
+    """`Budget`'s ILP solves stop at `ilp.WORK` (HiGHS's rounds times the
     model's nonzeros), so its plan is the same on a loaded machine as on a quiet one:
     the joint ILP of a transformer block at 36% of save()'s bytes (56 rounds to
     finish), cut short at 30 rounds, gives the same decisions and bound with two
@@ -634,7 +634,7 @@ class _Decoded(Budget):
     """The decoded joint-ILP plan alone: its decisions, mechanisms exact for them."""
 
     def _plan_joint(self, tape, fixed, hints):
-        from tapegrad.policies import _planner_ilp
+        from tapegrad.planner import ilp
 
         dec = J.plan_candidate(tape, fixed, self.bytes, self.mechanisms, self.costs, self.prefetch)
         if dec is None:  # the relaxation is infeasible: so is every executor plan
@@ -642,7 +642,7 @@ class _Decoded(Budget):
             return ("save",) * len(fixed), {}
         tl = joint.timeline(Scorer(tape, fixed, self.bytes).planned(dec), self.prefetch)
         opts = joint.options(tl, self.mechanisms, self.costs)
-        choice = _planner_ilp.solve(tl, opts, self.bytes)
+        choice = ilp.solve(tl, opts, self.bytes)
         if choice is None:  # the relaxation's plan overflows here: fewest bytes
             choice = joint._fewest_bytes(opts)
         peak, secs = joint.evaluate(tl, opts, choice)
@@ -705,7 +705,7 @@ def _plan_with(monkeypatch, tape, b, **constants):
     budget module's ``constants`` set (e.g. ``JOINT_WORK=0``): (decisions, ``last``)."""
     import sys
 
-    B = sys.modules["tapegrad.policies.budget"]  # the package exports the function
+    B = sys.modules["tapegrad.planner.candidates"]  # work limits, candidate sources
     for name, value in constants.items():
         monkeypatch.setattr(B, name, value)
     pol = Budget(b, allow=ALL, max_error="bf16", costs=COSTS)
@@ -714,14 +714,14 @@ def _plan_with(monkeypatch, tape, b, **constants):
 
 @pytest.mark.parametrize("name", ["unet", "dag"])
 def test_joint_descent_beats_the_flops_only_candidates(name, monkeypatch):
-    """`Budget._descend` (`_planner_search.descend_joint`): searching save/recompute by
+    """`planner.joint_search.descend` (`planner.search.descend_joint`): searching save/recompute by
     predicted step time finds, on a U-Net and a random DAG, plans well below the best
     flops-searched candidate completed with mechanisms (the joint ILP's plans left out,
     so this holds without highspy too); deterministic, and what it reports is the
     executor's model of the plan it returns."""
     import sys
 
-    B = sys.modules["tapegrad.policies.budget"]  # the package exports the function
+    B = sys.modules["tapegrad.planner.candidates"]  # work limits, candidate sources
     f, args, frac, most = {
         "unet": (unet, unet_args(4, 2), 0.31, 0.75),
         "dag": (*varied_dag(6, 6, 3), 0.37, 0.75),
@@ -756,14 +756,14 @@ def test_joint_descent_beats_the_flops_only_candidates(name, monkeypatch):
 
 def test_plain_budget_descends_by_flops_on_dags(monkeypatch):
     """`budget(bytes)` (save/recompute only) runs the same descent, scored by recompute
-    flops (`budget._descend_flops`): on a random DAG at 70% of save()'s peak it recomputes
-    a quarter of what the one-record-at-a-time searches chose; on a U-Net at 50%, where
-    they found nothing that fits, it finds a plan, and its kicks a better one. Without
-    highspy's plans (as on CI);
-    the plan's reported flops and peak are the executor's model of it."""
+    flops (`planner.save_recompute._descend_flops`): on a random DAG at 70% of save()'s
+    peak it recomputes a quarter of what the one-record-at-a-time searches chose; on a
+    U-Net at 50%, where they found nothing that fits, it finds a plan, and its kicks a
+    better one. Without highspy's plans (as on CI); the plan's reported flops and peak
+    are the executor's model of it."""
     import sys
 
-    B = sys.modules["tapegrad.policies.budget"]
+    B = sys.modules["tapegrad.planner.candidates"]
     monkeypatch.setattr(B, "_joint_ilp_candidate", lambda *a: [])
 
     kicks = B.FLOPS_KICK_WORK
@@ -795,14 +795,14 @@ def test_plain_budget_descends_by_flops_on_dags(monkeypatch):
 
 
 def test_kicks_leave_the_descents_local_optimum(monkeypatch):
-    """`_planner_search.iterate_joint`: on the random DAG at 72% of save()'s peak (the
+    """`planner.search.iterate_joint`: on the random DAG at 72% of save()'s peak (the
     budget `bench/ilp_bench.py` picks), every descent stops at a local optimum (0.568
     predicted µs); kicking runs of records where the plan spends its time and
     repairing around them finds a plan at ≤ 0.8x that (0.410; annealing's best 0.399),
     deterministically, within the budget."""
     import sys
 
-    B = sys.modules["tapegrad.policies.budget"]  # the package exports the function
+    B = sys.modules["tapegrad.planner.candidates"]  # work limits, candidate sources
     f, args = varied_dag(6, 6, 3)
     tape = tg.trace(f, argnums=0)(*args)
     b = int(estimate(tape)[0] * 0.723)
@@ -832,13 +832,13 @@ def _flops_scored(tape, b: int):
 
 
 def test_edge_swaps_leave_the_descents_local_optimum():
-    """`_planner_search.swap_edges`: on a 23-record random DAG at 70% of save()'s peak,
+    """`planner.search.swap_edges`: on a 23-record random DAG at 70% of save()'s peak,
     scored by recompute flops, single flips and runs stop at a plan recomputing 42,496
     flops; swapping the decisions across one producer -> consumer edge and repairing
     over the whole tape reaches one recomputing under a third of that, within the
     budget. What it returns is scored as it says, never worse than its start, within
     its evaluations, and the same on a second run."""
-    from tapegrad.policies._planner_search import descend_joint, swap_edges
+    from tapegrad.planner.search import descend_joint, swap_edges
 
     f, args = varied_dag(7, 3, 2)
     tape = tg.trace(f, argnums=0)(*args)
@@ -860,12 +860,12 @@ def test_edge_swaps_leave_the_descents_local_optimum():
 
 
 def test_annealing_leaves_the_swaps_local_optimum():
-    """`_planner_search.anneal_joint`: on the same DAG at 50% of save()'s peak, scored by
+    """`planner.search.anneal_joint`: on the same DAG at 50% of save()'s peak, scored by
     recompute flops, the descent and the edge swaps stop at 125,440 flops; annealing
     from there (random moves, uphill ones taken at a falling temperature) reaches under
     0.8 of that within the budget. What it returns is scored as it says, never worse
     than its start, within its evaluations, and the same on a second run (seeded)."""
-    from tapegrad.policies._planner_search import anneal_joint, descend_joint, swap_edges
+    from tapegrad.planner.search import anneal_joint, descend_joint, swap_edges
 
     f, args = varied_dag(7, 3, 2)
     tape = tg.trace(f, argnums=0)(*args)
@@ -891,7 +891,7 @@ def _ilp_exact_budget(monkeypatch, tape, k: int, percent: int) -> int:
     the heuristic's least peak), ``percent`` of save()'s peak, checked."""
     import sys
 
-    B = sys.modules["tapegrad.policies.budget"]  # the package exports the function
+    B = sys.modules["tapegrad.planner.candidates"]  # work limits, candidate sources
     n = len(tape.records)
     full = estimate(tape)[0]
     with monkeypatch.context() as m:
@@ -905,23 +905,23 @@ def _ilp_exact_budget(monkeypatch, tape, k: int, percent: int) -> int:
 
 
 def test_exact_descent_reaches_plans_the_greedy_mechanisms_hide(monkeypatch):
-    """`Budget._descend_exact`: on the 46-record transformer block at the budget
+    """`planner.joint_search.descend_exact`: on the 46-record transformer block at the budget
     `bench/ilp_exact.py` puts at 46% of save()'s peak, the joint descent (plans ranked by
     their greedy mechanisms) stopped at 3.482 predicted µs; `bench/plan_search.py`'s
     annealing, every plan scored exactly (`plan_seconds`), found one at 3.067, whose
     greedy completion (4.296) looked worse than the descent's plan, and single flips
     from the descent's plan, scored with the exact mechanisms, reached it. The greedy
     now counts freed bytes only up to the excess and exchanges pairs of changes
-    (`_planner_joint.assign_greedy`): its completions rank the plans like the exact
+    (`planner.joint.assign_greedy`): its completions rank the plans like the exact
     ones here, and the joint descent alone reaches 3.067. `Budget` is at least as fast
     as the annealing's plan, scored here, with or without the exact descent, never
     slower with it; its reported time is `plan_seconds` of its decisions."""
     pytest.importorskip("highspy")
     import sys
 
-    from tapegrad.policies._planner_fast import TapeIndex
+    from tapegrad.planner.index import TapeIndex
 
-    B = sys.modules["tapegrad.policies.budget"]  # the package exports the function
+    B = sys.modules["tapegrad.planner.candidates"]  # work limits, candidate sources
     tape = tg.trace(block, argnums=0)(*block_args(1))
     n = len(tape.records)
     b = _ilp_exact_budget(monkeypatch, tape, 3, 46)
@@ -948,7 +948,7 @@ def _plan_without_ilp(monkeypatch, tape, b: int, **constants):
     call only: (decisions, ``last``)."""
     import sys
 
-    B = sys.modules["tapegrad.policies.budget"]  # the package exports the function
+    B = sys.modules["tapegrad.planner.candidates"]  # work limits, candidate sources
     with monkeypatch.context() as m:
         m.setattr(B, "_joint_ilp_candidate", lambda *a: [])
         m.setattr(B, "_ilp_solver", lambda tape: None)
@@ -967,8 +967,8 @@ def test_a_flops_descent_repairs_what_the_save_recompute_search_cannot_fit(monke
     `optimum` proves, checked where highspy is installed); a descent by flops repairing
     the search's least-peak plan finds it. Without highspy, as CI runs it, and without
     the annealing (`ANNEAL_WORK` = 0), which reaches that plan by itself since."""
-    from tapegrad.policies import _planner_ilp
-    from tapegrad.policies._planner_fast import TapeIndex
+    from tapegrad.planner import ilp
+    from tapegrad.planner.index import TapeIndex
 
     tape = tg.trace(block, argnums=0)(*block_args(1))
     n = len(tape.records)
@@ -984,7 +984,7 @@ def test_a_flops_descent_repairs_what_the_save_recompute_search_cannot_fit(monke
     assert after["time_s"] <= found * (1 + 1e-9), (after["time_s"], found)
     assert after["time_s"] <= 0.95 * before["time_s"], (before["time_s"], after["time_s"])
     assert after["peak_bytes"] <= b
-    if _planner_ilp.available():  # the exact mechanisms agree, and it is the optimum
+    if ilp.available():  # the exact mechanisms agree, and it is the optimum
         depth = min(int(after["prefetch"]), 1)
         mechs = ("offload", "bf16")
         exact, _ = J.plan_seconds(TapeIndex(tape), tuple(got), b, mechs, COSTS, depth)
@@ -996,7 +996,7 @@ def test_a_flops_descent_repairs_what_the_save_recompute_search_cannot_fit(monke
 
 
 def test_oscillation_crosses_plans_over_the_budget(monkeypatch):
-    """`_planner_search.oscillate`: on the 58-record U-Net at the budget
+    """`planner.search.oscillate`: on the 58-record U-Net at the budget
     `bench/ilp_exact.py` puts at 70% of save()'s peak, the descents by flops stop at
     67,072 flops (the joint planner's plan: 1.014 predicted µs), since any step towards
     keeping the second and third levels' activations goes over the budget first. The
@@ -1005,7 +1005,7 @@ def test_oscillation_crosses_plans_over_the_budget(monkeypatch):
     byte reach it (or better). Without highspy, as CI runs it."""
     import sys
 
-    B = sys.modules["tapegrad.policies.budget"]  # the package exports the function
+    B = sys.modules["tapegrad.planner.candidates"]  # work limits, candidate sources
     tape = tg.trace(unet, argnums=0)(*unet_args(4, 2))
     n = len(tape.records)
     assert n == 58
@@ -1038,7 +1038,7 @@ def test_the_joint_ilps_plans_do_not_hold_the_search_back(monkeypatch):
     now at least as fast as without it, and its reported time is `plan_seconds` of its
     decisions."""
     pytest.importorskip("highspy")
-    from tapegrad.policies._planner_fast import TapeIndex
+    from tapegrad.planner.index import TapeIndex
 
     f, args = varied_dag(6, 6, 3)
     tape = tg.trace(f, argnums=0)(*args)
@@ -1055,7 +1055,7 @@ def test_the_joint_ilps_plans_do_not_hold_the_search_back(monkeypatch):
 
 
 def test_ilp_windows_move_many_records_at_once(monkeypatch):
-    """`Budget._windows`: the joint ILP re-plans a window of consecutive records with
+    """`planner.joint_search.windows`: the joint ILP re-plans a window of consecutive records with
     every other record held at the best plan's decision. On the bench's 149-record
     random DAG at half of save()'s peak, with the searches off (so the windows start
     from the best candidate before them, as where the searches stop short), the
@@ -1065,9 +1065,9 @@ def test_ilp_windows_move_many_records_at_once(monkeypatch):
     pytest.importorskip("highspy")
     import sys
 
-    from tapegrad.policies._planner_fast import TapeIndex
+    from tapegrad.planner.index import TapeIndex
 
-    B = sys.modules["tapegrad.policies.budget"]  # the package exports the function
+    B = sys.modules["tapegrad.planner.candidates"]  # work limits, candidate sources
     f, args = varied_dag(10, 10, 4)
     tape = tg.trace(f, argnums=0)(*args)
     n = len(tape.records)

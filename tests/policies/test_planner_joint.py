@@ -18,11 +18,10 @@ import pytest
 
 import tapegrad as tg
 from tapegrad._policy import resolve_prefetch
-from tapegrad.policies import _planner_joint as joint
-from tapegrad.policies._cost import CostModel, compressed_nbytes, device_nbytes
-from tapegrad.policies._planner_measure import measured_peak
-from tapegrad.policies._planner_search import Scorer
-from tapegrad.policies.budget import estimate
+from tapegrad.planner import estimate, joint
+from tapegrad.planner.cost import CostModel, compressed_nbytes, device_nbytes
+from tapegrad.planner.measure import measured_peak
+from tapegrad.planner.scorer import Scorer
 
 P = tg.policies
 ALL = ("save", "recompute", "offload", "compress")
@@ -274,7 +273,7 @@ def test_calibrate_grows_the_matmul_past_launch_latency(monkeypatch):
     """A small product measures launch latency on an accelerator (an H100: 3.5e12 flop/s
     from a 512-square product, ~100x under its rate); calibrate() doubles the size until
     a product takes a millisecond. Here a fake clock: 20 us latency + 1e14 flop/s."""
-    from tapegrad.policies import _cost
+    from tapegrad.planner import cost as _cost
 
     def fake_best_of(fn, repeats):
         a = (getattr(fn, "__defaults__", None) or (None,))[0]
@@ -393,7 +392,7 @@ def test_greedy_is_within_five_percent_of_brute_force_on_a_small_dag():
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_greedy_is_within_five_percent_of_the_ilp_on_random_dags(seed):
     pytest.importorskip("highspy")
-    from tapegrad.policies import _planner_ilp
+    from tapegrad.planner import ilp
 
     f = layered_dag(seed, layers=5, width=3)
     w, x = jnp.eye(16) * 0.5, jnp.ones((8, 16))
@@ -409,7 +408,7 @@ def test_greedy_is_within_five_percent_of_the_ilp_on_random_dags(seed):
         lo = joint.least_bytes(tl, opts)
         hi = joint.evaluate(tl, opts, np.zeros(len(tl.keys), np.int64))[0]
         for b in np.linspace(hi, lo, 6).astype(int)[1:]:
-            exact = _planner_ilp.solve(tl, opts, int(b))
+            exact = ilp.solve(tl, opts, int(b))
             greedy = joint.assign_greedy(tl, opts, int(b))
             if exact is None:
                 assert greedy is None
@@ -487,9 +486,9 @@ def test_greedy_alone_fits_whenever_a_plan_can(monkeypatch):
     Now it falls back to every residual at its fewest bytes and buys time back."""
     import sys
 
-    monkeypatch.setattr(sys.modules["tapegrad.policies.budget"], "_ilp_solver", lambda t: None)
+    monkeypatch.setattr(sys.modules["tapegrad.planner.candidates"], "_ilp_solver", lambda t: None)
     # nor the exact chain program (this model is a chain): the greedy alone must fit
-    monkeypatch.setattr(sys.modules["tapegrad.policies.budget"], "_chain_joint", lambda *a: [])
+    monkeypatch.setattr(sys.modules["tapegrad.planner.candidates"], "_chain_joint", lambda *a: [])
 
     def model(params, x):
         for w in params:

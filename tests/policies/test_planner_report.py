@@ -8,7 +8,7 @@ import jax
 import pytest
 
 import tapegrad as tg
-from tapegrad.policies._planner_measure import measured_peak
+from tapegrad.planner.measure import measured_peak
 from tests.policies.test_planner_joint import ALL, COSTS, mlp, save_peak
 
 

@@ -1,4 +1,4 @@
-"""Offload's prefetch depth: from the cost model (`_cost.prefetch_depth`), followed by
+"""Offload's prefetch depth: from the cost model (`planner.cost.prefetch_depth`), followed by
 backward (residuals come back that many records early) and by the budget planner's
 timeline (predicted peak = peak measured from live arrays at depths above 1)."""
 
@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 
 import tapegrad as tg
-from tapegrad.policies import _planner_joint as joint
-from tapegrad.policies._cost import MAX_PREFETCH, CostModel, prefetch_depth
-from tapegrad.policies._planner_measure import measured_peak
-from tapegrad.policies.budget import estimate
+from tapegrad.planner import estimate, joint
+from tapegrad.planner.cost import MAX_PREFETCH, CostModel, prefetch_depth
+from tapegrad.planner.measure import measured_peak
 
 P = tg.policies
 

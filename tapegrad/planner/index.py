@@ -1,15 +1,15 @@
-"""The planner's scoring engine: `build_segments`, `budget.simulate` and the joint
+"""The planner's scoring engine: `build_segments`, `problem.simulate` and the joint
 planner's `timeline` for one tape and many decision lists, with everything that
 depends only on the tape computed once.
 
 The planner scores hundreds of plans of one tape. `_checkpoint.build_segments` and
-`budget.simulate` rebuild, per plan, the producer of every value, each record's
+`problem.simulate` rebuild, per plan, the producer of every value, each record's
 residual keys, use counts, byte sizes; on a 1,000-record tape that was ~20 ms a plan.
 `TapeIndex` holds those facts (integer record indices, value ids, sizes) and runs the
 same algorithms over them: `segments(dec)` returns the very segments
 `build_segments` returns, `simulate(dec)` the very (peak, flops, sizes) `simulate`
 returns on the planned tape, `timeline(segs, prefetch)` the very `Timeline`
-`_planner_joint.timeline` returns on it (``tests/policies/test_planner_fast.py``
+`joint.timeline` returns on it (``tests/policies/test_planner_fast.py``
 checks all three on random plans of several tapes). Nothing here decides anything: it
 only scores.
 """
@@ -24,8 +24,8 @@ import numpy as np
 
 from tapegrad._checkpoint import active_segments
 from tapegrad._tape import Segment, Tape, Var
-from tapegrad.policies._cost import device_nbytes
-from tapegrad.policies._planner_joint import Timeline, pole_keys
+from tapegrad.planner.cost import device_nbytes, record_flops
+from tapegrad.planner.joint import Timeline, pole_keys
 
 __all__ = ["TapeIndex"]
 
@@ -34,8 +34,6 @@ class TapeIndex:
     """Tape-only facts for scoring many plans of ``tape``, and the scoring itself."""
 
     def __init__(self, tape: Tape, seg_flops: float = 0.0):
-        from tapegrad.policies.budget import record_flops
-
         self.tape = tape
         # each recomputed segment's fixed cost, in flops (`CostModel.segment_flops`)
         self.seg_flops = seg_flops
@@ -338,7 +336,7 @@ class TapeIndex:
     def simulate(
         self, dec: Sequence[str] | None = None, trace: dict | None = None, segs: Any = None
     ) -> tuple[int, float, dict[Any, int]]:
-        """`budget.simulate` of the tape planned with ``dec`` (or with ``segs``); without
+        """`problem.simulate` of the tape planned with ``dec`` (or with ``segs``); without
         ``trace`` or ``segs``, memoised like `segments` (the sizes returned are shared:
         callers must not modify them)."""
         if segs is None:
@@ -397,7 +395,7 @@ class TapeIndex:
     # -- timeline -------------------------------------------------------------------
 
     def device_nbytes(self, key: Any, v: Any) -> int:
-        """`_cost.device_nbytes(v)` of the value ``v`` under residual key ``key``,
+        """`cost.device_nbytes(v)` of the value ``v`` under residual key ``key``,
         memoised by key (every Var of one id has the same type)."""
         got = self._dev.get(key)
         if got is None:
@@ -405,7 +403,7 @@ class TapeIndex:
         return got
 
     def timeline(self, segs: Sequence[Segment], prefetch: int = 0) -> Timeline:
-        """`_planner_joint.timeline` of the tape planned with ``segs`` (same `Timeline`,
+        """`joint.timeline` of the tape planned with ``segs`` (same `Timeline`,
         field by field). The joint search builds one per plan it completes, thousands
         per planning call: here keys, backward order, use counts, pole keys and device
         bytes come from the index instead of being re-derived from the tape. Plans whose

@@ -1,7 +1,7 @@
 """The exact planner for chains: a dynamic program over the chain's positions.
 
 On a *chain* (each record consumes the previous record's single output, plus the
-tape's inputs), the executor's schedule (`budget.estimate`) decomposes:
+tape's inputs), the executor's schedule (`problem.estimate`) decomposes:
 
 * a plan is a sequence of saved records and *runs* of recomputed records;
 * a run ``[a..b]`` recomputes, as one segment, the records ``a..c`` up to the last
@@ -31,6 +31,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from tapegrad._tape import Tape, Var
+from tapegrad.planner.cost import record_flops
 
 __all__ = ["Chain", "as_chain", "chain_plan"]
 
@@ -49,8 +50,6 @@ class Chain:
 
 def as_chain(tape: Tape) -> Chain | None:
     """The chain view of ``tape``, or None when the tape is not a chain."""
-    from tapegrad.policies.budget import record_flops
-
     if tape.regions or any(r.region is not None for r in tape.records) or not tape.records:
         return None
     free = {v.id for v in tape.inputs} | {v.id for v, _ in tape.consts}

@@ -2,13 +2,13 @@
 separated by boundaries where exactly one activation crosses.
 
 Between two such boundaries the tape may branch freely, but the stages themselves
-form a chain, and the decomposition of `_planner_chain` carries over: a run of
+form a chain, and the decomposition of `chain` carries over: a run of
 consecutive recomputed stages is processed by backward while exactly the kept bytes
 of the stages before it are live, plus what the run and the saved stage after it
 hold. The program chooses, per stage, "saved" or "in a recomputed run", and per run
 a class plan for what it still saves (nothing, or dots, as
 ``jax.checkpoint(dots_saveable)`` per layer). Each run's kept bytes and local peak
-are measured by the executor's own schedule (`budget.simulate`) on the plan that
+are measured by the executor's own schedule (`problem.simulate`) on the plan that
 recomputes that run alone, so the program needs O(stages^2) simulations.
 
 The result is a candidate like any other: `Budget.plan` scores it with `estimate`
@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from tapegrad._tape import Var
+from tapegrad.planner.chain import _pareto
+from tapegrad.planner.scorer import CLASSES, _activation_bytes
 
 __all__ = ["stage_bounds", "stage_plan"]
 
@@ -55,8 +57,6 @@ def stage_bounds(sc: Any, max_stages: int = 32) -> list[tuple[int, int]] | None:
         return None
     if len(cuts) + 1 > max_stages:
         # keep the boundaries that split the activation bytes most evenly
-        from tapegrad.policies._planner_search import _activation_bytes
-
         act = _activation_bytes(sc)[0]
         target = sum(act) / max_stages
         kept, acc, j = [], 0.0, 0
@@ -81,9 +81,6 @@ def stage_plan(
     """The least-flops stage plan the decomposition predicts to fit, or None. It
     simulates L(L+1)/2 runs per mode for L stages: at most ``share`` simulations
     (fewer stages when needed)."""
-    from tapegrad.policies._planner_chain import _pareto
-    from tapegrad.policies._planner_search import CLASSES
-
     max_stages = 32
     if share is not None:
         while max_stages > 3 and max_stages * (max_stages + 1) // 2 * len(modes) + 1 > share:

@@ -1,15 +1,15 @@
 """A reference for the whole joint plan: an integer program over per-record
 save/recompute *and* per-residual mechanisms (save / offload / bf16 / int8), solved by
 HiGHS (``pip install tapegrad[planner]``). Its optimum is a **lower bound** on the
-predicted step time (`budget.estimate`'s recompute flops at ``flops_per_s`` plus the
-mechanisms' seconds, `_planner_joint`) of every plan the executor can run within the
+predicted step time (`problem.estimate`'s recompute flops at ``flops_per_s`` plus the
+mechanisms' seconds, `joint`) of every plan the executor can run within the
 budget; its solution, decoded and scored by the executor's own model, is one more
 candidate for `Budget` (`plan_candidate`).
 
 The model — a relaxation of the executor's schedule, with time-indexed run variables —
-and the proof that it is one are in `_planner_ilp_joint_model` (`build`, `Model`).
+and the proof that it is one are in `ilp_joint_model` (`build`, `Model`).
 `solve` reports the bound HiGHS proved even when it stops at its work or time limit
-(`_planner_ilp.WORK`: `Budget`'s candidates stop at a count of work, so they do not
+(`ilp.WORK`: `Budget`'s candidates stop at a count of work, so they do not
 depend on the machine's load; `optimum`, a benchmark's tool, at wall-clock seconds).
 """
 
@@ -22,10 +22,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from tapegrad._tape import Tape
-from tapegrad.policies import _planner_ilp
-from tapegrad.policies import _planner_joint as joint
-from tapegrad.policies._cost import CostModel
-from tapegrad.policies._planner_ilp_joint_model import WINDOW, Model, build
+from tapegrad.planner import ilp, joint
+from tapegrad.planner.cost import CostModel
+from tapegrad.planner.ilp_joint_model import WINDOW, Model, build
+from tapegrad.planner.index import TapeIndex
 
 __all__ = [
     "Model",
@@ -47,7 +47,7 @@ __all__ = [
 
 MAX_RECORDS = 300
 TIME_LIMIT_S = 2.0  # `optimum`'s default; `plan_candidate` stops at `WORK` (backstop below)
-WORK = _planner_ilp.WORK
+WORK = ilp.WORK
 PLAN_WINDOW: int | None = 4  # `plan_candidate`'s run window (a smaller model, solved sooner)
 # `Budget` decodes the bound's window (`WINDOW`) instead up to this many records: solved
 # within the time limit there, sometimes a plan that fits where the smaller window's does
@@ -69,7 +69,7 @@ class Solution:
     ``seconds``: the relaxation's objective at ``decisions`` (None without a solution);
     ``decisions``: "save"/"recompute" per record (binding ones applied); ``mechanisms``:
     residual key -> mechanism name of the kept values; ``solve_s``: wall seconds;
-    ``work``: the work `solve` counted (`_planner_ilp.stop_after`'s units)."""
+    ``work``: the work `solve` counted (`ilp.stop_after`'s units)."""
 
     status: str
     bound: float | None
@@ -84,14 +84,12 @@ def _load(model: Model):
     """A HiGHS instance holding ``model``, and the cost scale it is solved in."""
     import highspy
 
-    from tapegrad.policies._planner_ilp import _highs
-
-    h = _highs()
+    h = ilp._highs()
     h.setOptionValue("mip_rel_gap", 1e-6)
     h.setOptionValue("mip_abs_gap", 1e-9)
     inf = highspy.kHighsInf
     ncol = model.columns
-    # seconds are ~1e-9..1e-3: solve in units of the dearest column (see _planner_ilp)
+    # seconds are ~1e-9..1e-3: solve in units of the dearest column (see ilp)
     scale = max(float(model.cost.max()), 1e-30)
     h.addVars(ncol, np.zeros(ncol), model.upper)
     idx = np.arange(ncol, dtype=np.int32)
@@ -122,7 +120,7 @@ def _run(h, model: Model, scale: float, time_limit: float, t0: float) -> Solutio
     name = {
         highspy.HighsModelStatus.kOptimal: "optimal",
         highspy.HighsModelStatus.kTimeLimit: "time limit",
-        highspy.HighsModelStatus.kInterrupt: "work limit",  # `_planner_ilp.stop_after`
+        highspy.HighsModelStatus.kInterrupt: "work limit",  # `ilp.stop_after`
         highspy.HighsModelStatus.kInfeasible: "infeasible",
     }.get(status, str(status))
     stopped = name in ("time limit", "work limit")
@@ -148,11 +146,11 @@ def _run(h, model: Model, scale: float, time_limit: float, t0: float) -> Solutio
 
 def solve(model: Model, time_limit: float = TIME_LIMIT_S, work: float | None = None) -> Solution:
     """Solve the relaxation, stopping at ``time_limit`` seconds or ``work``
-    (`_planner_ilp.WORK`'s units; None: no such limit); the bound is HiGHS's proved
+    (`ilp.WORK`'s units; None: no such limit); the bound is HiGHS's proved
     dual bound (the optimum when it finished)."""
     t0 = time.perf_counter()
     h, scale = _load(model)
-    stop = _planner_ilp.stop_after(h, work)
+    stop = ilp.stop_after(h, work)
     sol = _run(h, model, scale, time_limit, t0)
     sol.work = stop.used
     return sol
@@ -167,14 +165,14 @@ def plan_seconds(
     prefetch: int = 0,
 ) -> tuple[float | None, bool]:
     """Predicted seconds of the executor's plan for decisions ``dec`` (``index``: the
-    tape's `TapeIndex`) with the exact mechanisms (`_planner_ilp.solve_proved`) and
+    tape's `TapeIndex`) with the exact mechanisms (`ilp.solve_proved`) and
     copies brought back ``prefetch`` records ahead, None when no assignment fits
     ``budget``; and whether HiGHS proved the mechanisms' answer (did not stop at its
     time limit)."""
 
     tl = index.timeline(index.segments(dec), prefetch)
     opts = joint.options(tl, mechanisms, costs)
-    choice, proved = _planner_ilp.solve_proved(tl, opts, budget, time_limit=10.0, work=None)
+    choice, proved = ilp.solve_proved(tl, opts, budget, time_limit=10.0, work=None)
     if choice is None:
         return None, proved
     peak, secs = joint.evaluate(tl, opts, choice)
@@ -224,9 +222,7 @@ def optimum(
     ``UB`` starts there). ``prefetch``: copies brought back that many records ahead (0, at
     first use: the fewest bytes at the same predicted seconds, so the optimum over
     every depth). Stops at ``time_limit`` seconds with what it proved."""
-    from tapegrad.policies._planner_fast import TapeIndex
-
-    if not _planner_ilp.available():
+    if not ilp.available():
         return None
     t0 = time.perf_counter()
     model = build(tape, fixed, budget, mechanisms, costs, prefetch, window)
@@ -302,21 +298,19 @@ def plan_candidate(
     work: float | None = WORK,
     tries: int = 3,
     window: int | None = PLAN_WINDOW,
-    time_limit: float = _planner_ilp.TIME_LIMIT_S,
+    time_limit: float = ilp.TIME_LIMIT_S,
 ) -> tuple[str, ...] | None:
     """The ILP's save/recompute decisions (binding ones applied) for `Budget` to score
     as one more candidate; None when highspy is missing, the tape is too large or
     outside the model, or no solution was found within ``work``
-    (`_planner_ilp.WORK`'s units: the same plan on a quiet or a loaded machine) or the
+    (`ilp.WORK`'s units: the same plan on a quiet or a loaded machine) or the
     backstop ``time_limit`` seconds.
 
     The relaxation undercounts bytes, so its plan may not fit under the executor's
     schedule even with every residual at its fewest bytes; then it is solved again at
     a budget lowered by the overflow (up to ``tries`` solves, sharing the work and the
     time limit). ``window``: `build`'s (0: no run variables, the smallest model)."""
-    from tapegrad.policies._planner_fast import TapeIndex
-
-    if not _planner_ilp.available() or len(tape.records) > MAX_RECORDS:
+    if not ilp.available() or len(tape.records) > MAX_RECORDS:
         return None
     index = TapeIndex(tape)
     target = budget

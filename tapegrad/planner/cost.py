@@ -3,7 +3,7 @@ residual costs in device bytes and in step time.
 
 * bytes: what the residual occupies on *one device* (`device_nbytes`: a sharded
   value's shard, since that is what must fit);
-* recompute: `budget.record_flops` at ``flops_per_s``;
+* recompute: `record_flops` at ``flops_per_s``;
 * offload: device -> host in forward and host -> device in backward, at the measured
   bandwidths (no overlap assumed: an upper bound on the step time it adds);
 * compress: one pack and one unpack, at ``compress_bytes_per_s`` of the original
@@ -25,10 +25,22 @@ import time
 import weakref
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from tapegrad._policy import register_auto_prefetch
-from tapegrad._tape import Var, itemsize
+from tapegrad._tape import Record, Tape, Var, itemsize
+from tapegrad._tape import device_nbytes as _nbytes
+from tapegrad.policies._groups import layout_for, type_shards
+from tapegrad.policies._lowbit import (
+    key_words,
+    lowbit_layout,
+    pack_lowbit,
+    packed_nbytes,
+    unpack_lowbit,
+)
+from tapegrad.policies.compress import DEFAULT_BLOCK_SIZE, DEFAULT_GROUP
 
 __all__ = [
     "CostModel",
@@ -40,6 +52,8 @@ __all__ = [
     "default_costs",
     "device_nbytes",
     "prefetch_depth",
+    "record_flops",
+    "segment_flops",
 ]
 
 # Lossless first; ``max_error=c`` allows every class up to c.
@@ -61,7 +75,7 @@ LOWBIT = {"4-bit": 4, "2-bit": 2}
 class CostModel:
     """Throughputs the planner turns bytes and flops into seconds with.
 
-    ``flops_per_s``: recomputation (`budget.record_flops` per second);
+    ``flops_per_s``: recomputation (`record_flops` per second);
     ``d2h_bytes_per_s`` / ``h2d_bytes_per_s``: offload's two copies;
     ``compress_bytes_per_s``: a compress round trip (pack + unpack) per original byte;
     ``lowbit_bytes_per_s``: the same for 4-bit and 2-bit (None: ``compress_bytes_per_s``
@@ -127,8 +141,6 @@ _CALIBRATED: dict[str, CostModel] = {}
 
 
 def _backend() -> str:
-    import jax
-
     return jax.default_backend()
 
 
@@ -165,9 +177,6 @@ def calibrate(force: bool = False, *, size: int | None = None, mbytes: int = 16,
     timed apart, as forward and backward run them). ``force=True`` measures again.
     Returns a `CostModel` (``measured=True``); `budget` uses it by default from then on.
     """
-    import jax
-    import jax.numpy as jnp
-
     backend = _backend()
     if not force and backend in _CALIBRATED:
         return _CALIBRATED[backend]
@@ -216,12 +225,6 @@ def calibrate(force: bool = False, *, size: int | None = None, mbytes: int = 16,
 
 def _lowbit_round_trip(x: Any, repeats: int) -> float:
     """Seconds of a 2-bit pack plus an unpack of ``x``, each its own compiled call."""
-    import jax
-    import jax.numpy as jnp
-
-    from tapegrad.policies._lowbit import key_words, lowbit_layout, pack_lowbit, unpack_lowbit
-    from tapegrad.policies.compress import DEFAULT_GROUP
-
     lay = lowbit_layout(x, 2, DEFAULT_GROUP)
     words, rid = key_words(0), jnp.uint32(0)
     pack = jax.jit(lambda x: pack_lowbit(x, words, rid, bits=2, lay=lay))
@@ -231,23 +234,35 @@ def _lowbit_round_trip(x: Any, repeats: int) -> float:
     return t_pack + _best_of(lambda: unpack(packed).block_until_ready(), repeats)
 
 
+def record_flops(rec: Record) -> float:
+    """A rough cost of re-running ``rec``: 2·M·N·K for dots, output size otherwise."""
+    out = sum(math.prod(o.shape) for o in rec.outputs)
+    if rec.primitive == "dot_general":
+        (lc, _), _ = rec.params["dimension_numbers"]
+        k = math.prod(rec.inputs[0].shape[d] for d in lc) if lc else 1
+        return 2.0 * out * k
+    if rec.primitive == "conv_general_dilated":
+        rhs = rec.inputs[1].shape
+        return 2.0 * out * math.prod(rhs) / max(rhs[0], 1)
+    return float(max(out, 1))
+
+
+def segment_flops(tape: Tape, seg: Any) -> float:
+    """What backward spends recomputing one segment: each of its records once."""
+    return sum(record_flops(tape.records[i]) for i in seg.records)
+
+
 def device_nbytes(var: Any) -> int:
     """Bytes ``var`` (a `Var` or `Saved`: shape, dtype, optional traced sharding) takes on
     one device: the shard's size when its sharding names a mesh, else the whole value
     (`tapegrad._tape.device_nbytes`)."""
-    from tapegrad._tape import device_nbytes as nbytes
-
-    return nbytes(tuple(var.shape), var.dtype, getattr(var, "sharding", None))
+    return _nbytes(tuple(var.shape), var.dtype, getattr(var, "sharding", None))
 
 
 def _lowbit_nbytes(bits: int, shape: tuple[int, ...], dtype: Any, sharding: Any) -> int:
     """`compress(bits=...)`'s packed bytes on one device, laid out as `compress` lays
     out a value of this type (`_groups.type_shards`). Its groups never cross a shard,
     so every device holds an equal part of them."""
-    from tapegrad.policies._groups import layout_for, type_shards
-    from tapegrad.policies._lowbit import packed_nbytes
-    from tapegrad.policies.compress import DEFAULT_GROUP
-
     shards = type_shards(shape, sharding)
     total = packed_nbytes(layout_for(shape, shards, DEFAULT_GROUP, 8 // bits), bits, dtype)
     return total // math.prod(shards or ())
@@ -263,7 +278,7 @@ def prefetch_depth(tape: Any, costs: CostModel | None = None) -> int:
     host -> device copy overlaps compute instead of waiting for it.
 
     A record's copy is hidden when the backward compute of the records that run
-    before it (in backward order, ~2x their forward `budget.record_flops`) lasts as
+    before it (in backward order, ~2x their forward `record_flops`) lasts as
     long as the copy of its operands and outputs (what it may keep; the tape's own
     inputs stay on device). The depth is the least k that hides every record's copy
     behind its k predecessors, at least 1 and at most `MAX_PREFETCH`; a record that
@@ -271,8 +286,6 @@ def prefetch_depth(tape: Any, costs: CostModel | None = None) -> int:
     does not count. Depends on the records alone (shapes, primitives), so the
     planner's timeline and the interpreter agree on a planned or unplanned tape.
     """
-    from tapegrad.policies.budget import record_flops
-
     costs = costs or default_costs()
     memo = _DEPTHS.setdefault(tape, {})
     if costs in memo:
@@ -308,8 +321,6 @@ def compressed_nbytes(
     """Bytes `compress` stores on one device for a residual under ``mech`` ("bf16",
     "int8", "4-bit", "2-bit") whose device bytes are ``nbytes``, or None when it does
     not apply (not floating, or not wider than the target)."""
-    import jax.numpy as jnp
-
     dt = np.dtype(dtype)
     if not jnp.issubdtype(dt, jnp.floating):
         return None
@@ -322,8 +333,6 @@ def compressed_nbytes(
     if mech == "int8":
         if width <= 1:
             return None
-        from tapegrad.policies.compress import DEFAULT_BLOCK_SIZE
-
         if n > DEFAULT_BLOCK_SIZE:  # q, one code per block, one float32 top scale
             return n + -(-n // DEFAULT_BLOCK_SIZE) + 4
         return n + 2  # q and one bfloat16 scale

@@ -17,7 +17,10 @@ from typing import Any
 
 import jax
 
+from tapegrad import _interpret
+from tapegrad._policy import resolve_policy
 from tapegrad._tape import Var
+from tapegrad._transforms import _argnums_tuple, _leaf_owners, _Traced
 
 __all__ = ["measured_peak"]
 
@@ -71,10 +74,6 @@ def measured_peak(
 ) -> int:
     """Peak device bytes of residuals (and what backward recomputes or unpacks) over an
     eager forward and backward of ``fun(*args)`` under ``policy``, on the first device."""
-    from tapegrad import _interpret
-    from tapegrad._policy import resolve_policy
-    from tapegrad._transforms import _argnums_tuple, _leaf_owners, _Traced
-
     pol = resolve_policy(policy)
     nums = _argnums_tuple(argnums, len(args), "measured_peak")
     owners = _leaf_owners(tuple(args))

@@ -1,5 +1,5 @@
 """The exact reference for per-residual mechanisms: an integer program over
-`_planner_joint`'s linear model, solved by HiGHS (``pip install tapegrad[planner]``).
+`joint`'s linear model, solved by HiGHS (``pip install tapegrad[planner]``).
 
 Variables ``x[k, m]`` in {0, 1}: residual ``k`` uses mechanism ``m`` (the options
 that apply to it). Constraints: one mechanism per residual; at every point ``t`` of
@@ -16,6 +16,8 @@ the plan `Budget` returns is the same on a quiet machine and a loaded one;
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import numpy as np
@@ -58,9 +60,6 @@ _BANNER_SHOWN = False
 def _highs() -> Any:
     """A silent `highspy.Highs`: its first construction in a process prints a banner
     from C++ to stdout, which a training log does not need."""
-    import os
-    import sys
-
     import highspy
 
     global _BANNER_SHOWN

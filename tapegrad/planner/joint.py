@@ -2,7 +2,7 @@
 each kept residual so the device peak fits the budget at the least added step time.
 
 Given the save/recompute decisions (hence the recompute segments), the executor's
-schedule (`budget.simulate`) fixes, for every kept residual, *when* it is released in
+schedule (`problem.simulate`) fixes, for every kept residual, *when* it is released in
 backward and *when* backward first unpacks it (at its first use, or one record
 earlier under prefetch). What a mechanism changes is only how many device bytes the
 residual holds in between:
@@ -23,7 +23,7 @@ residual with the most bytes freed there (up to the excess) per second added, un
 the plan fits, then gives back conversions that are no longer needed (costliest
 first) and exchanges pairs of them where that saves time; on the `bench/ilp_bench.py`
 plans it is within 0.2% of the exact assignment on average (`bench/greedy_gap.py`).
-`tapegrad.policies._planner_ilp` solves the same linear model exactly.
+`tapegrad.planner.ilp` solves the same linear model exactly.
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ from typing import Any
 import numpy as np
 
 from tapegrad._tape import Tape
-from tapegrad.policies._cost import LOWBIT, CostModel, compressed_nbytes, device_nbytes
+from tapegrad.planner.cost import LOWBIT, CostModel, compressed_nbytes, device_nbytes
+from tapegrad.planner.problem import _uses, segment_cost
+from tapegrad.policies._lowbit import pole
 
 __all__ = ["Timeline", "timeline", "options", "assign_greedy", "evaluate", "pole_keys"]
 
@@ -65,14 +67,12 @@ class Timeline:
 
 
 def timeline(tape: Tape, prefetch: int = 0, memo: dict | None = None) -> Timeline:
-    """The `Timeline` of a planned tape (segments built), mirroring `budget.simulate`
+    """The `Timeline` of a planned tape (segments built), mirroring `problem.simulate`
     and the interpreter's backward (prefetch, unpack at first use, release at last).
     The planner builds thousands per call with `TapeIndex.timeline`, the same loop over
     per-tape facts computed once; this plain version over the tape is its reference
     (``tests/policies/test_planner_fast.py`` checks the two agree field by field) and
     serves callers that have a tape only."""
-    from tapegrad.policies.budget import _uses, segment_cost
-
     memo = {} if memo is None else memo
     free = {v.id for v in tape.inputs} | {v.id for v, _ in tape.consts}
     kept, seg_of = tape.residual_keys()
@@ -159,8 +159,6 @@ def timeline(tape: Tape, prefetch: int = 0, memo: dict | None = None) -> Timelin
 def pole_keys(tape: Tape) -> frozenset:
     """Residual keys some record of ``tape`` divides by in backward: `compress(bits=...)`
     keeps them exact (the mean of ``1 / x`` over a rounding is not ``1 / x``)."""
-    from tapegrad.policies._lowbit import pole
-
     return frozenset(
         rec.residual_key(s)
         for rec in tape.records

@@ -1,11 +1,11 @@
 """The exact joint planner for chains: save, recompute and, per kept residual,
 offload or compress, chosen together by one dynamic program over the chain.
 
-`_planner_chain` plans save/recompute alone; the mechanisms then complete a plan
-(`_planner_joint`). That is not exact: the recompute plan best combined with offload
+`chain` plans save/recompute alone; the mechanisms then complete a plan
+(`joint`). That is not exact: the recompute plan best combined with offload
 is in general none of the save/recompute search's plans. Here (as in Beaumont et al.
 2021, "Efficient Combination of Rematerialization and Offloading for Training
-DNNs") the program chooses both, and scores exactly what `_planner_joint.timeline`
+DNNs") the program chooses both, and scores exactly what `joint.timeline`
 and `evaluate` compute for the plan it returns.
 
 A plan is a sequence of *units*: a run of recomputed records ``a..s-1`` (maybe
@@ -46,8 +46,9 @@ from typing import Any
 import numpy as np
 
 from tapegrad._tape import Tape, Var
-from tapegrad.policies import _planner_joint as joint
-from tapegrad.policies._cost import CostModel, device_nbytes
+from tapegrad.planner import joint
+from tapegrad.planner.chain import as_chain
+from tapegrad.planner.cost import CostModel, device_nbytes
 
 __all__ = ["JointChain", "joint_chain", "chain_joint_plan", "candidates"]
 
@@ -81,8 +82,6 @@ class JointChain:
 
 def joint_chain(tape: Tape, prefetch: int) -> JointChain | None:
     """The chain view of ``tape`` for this program, or None when it does not apply."""
-    from tapegrad.policies._planner_chain import as_chain
-
     ch = as_chain(tape)
     if ch is None or prefetch not in (0, 1):
         return None

@@ -1,0 +1,176 @@
+"""The planning problem as the planner sees it: what the executor's schedule makes of a
+planned tape (`simulate`, `estimate`: peak live activation bytes and recompute flops,
+replaying the save/release/recompute order the interpreter follows), what a plan may
+not change (`_keep_effects`: records with side effects stay saved), and names that
+survive re-tracing (`structure_key` for the plan cache, canonical names for the
+mechanisms chosen per residual). Plain data in, plain data out: nothing here searches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tapegrad._checkpoint import segment_peak
+from tapegrad._tape import Tape, Var
+from tapegrad.errors import TapegradError
+from tapegrad.passes.checks import _harmful, effects_of
+from tapegrad.planner.cost import record_flops, segment_flops
+
+__all__ = ["BudgetError", "estimate", "simulate", "segment_cost", "structure_key"]
+
+
+class BudgetError(TapegradError, ValueError):
+    """No save/recompute plan fits the budget."""
+
+
+def _uses(tape: Tape) -> dict[Any, int]:
+    uses: dict[Any, int] = {}
+    for rec in tape.records:
+        if rec.rule == "none":
+            continue
+        for s in rec.saves:
+            key = rec.residual_key(s)
+            uses[key] = uses.get(key, 0) + 1
+    for seg in tape.segments:
+        for v in seg.inputs:
+            uses[v.id] = uses.get(v.id, 0) + 1
+    return uses
+
+
+def segment_cost(tape: Tape, seg: Any, memo: dict) -> tuple[float, int]:
+    """(flops, recomputation peak) of one segment, kept in ``memo`` by its records and
+    outputs (plans scored on one tape share most of their segments)."""
+    key = (seg.records, tuple(o.id for o in seg.outputs))
+    got = memo.get(key)
+    if got is None:
+        got = memo[key] = (segment_flops(tape, seg), segment_peak(tape, seg))
+    return got
+
+
+def estimate(tape: Tape, memo: dict | None = None) -> tuple[int, float]:
+    """(peak live activation-residual bytes, recompute flops) of a planned tape.
+
+    ``memo`` (optional, for the planner scoring many plans of one tape) caches each
+    segment's recomputation peak and flops across calls."""
+    peak, flops, _ = simulate(tape, memo)
+    return peak, flops
+
+
+def simulate(
+    tape: Tape, memo: dict | None = None, trace: dict | None = None
+) -> tuple[int, float, dict[Any, int]]:
+    """`estimate`'s schedule: (peak, flops, bytes of each kept residual key); with
+    ``trace``, also the largest live bytes while backward runs each record (by index)."""
+    memo = {} if memo is None else memo
+    inputs = {v.id for v in tape.inputs} | {v.id for v, _ in tape.consts}
+    kept, seg_of = tape.residual_keys()
+    size = {k: (0 if (isinstance(k, int) and k in inputs) else v.nbytes) for k, v in kept.items()}
+    live = sum(size.values())  # forward only adds: the peak of forward is its end
+    peak = live
+    remaining = _uses(tape)
+    extra: dict[Any, int] = {}
+    flops = 0.0
+    done: set[int] = set()
+
+    def release(key):
+        nonlocal live
+        remaining[key] -= 1
+        if remaining[key] == 0:
+            live -= size.get(key, 0) + extra.pop(key, 0)
+
+    for rec in reversed(tape.records):
+        if rec.rule == "none":
+            continue
+        keys = []
+        for s in rec.saves:
+            key = rec.residual_key(s)
+            keys.append(key)
+            if key in extra or key in size or key not in seg_of:
+                continue
+            seg = tape.segments[seg_of[key]]
+            if seg.id in done:
+                continue
+            done.add(seg.id)
+            seg_flops, seg_peak = segment_cost(tape, seg, memo)
+            flops += seg_flops
+            peak = max(peak, live + seg_peak)
+            if trace is not None:
+                trace[rec.index] = max(trace.get(rec.index, 0), live + seg_peak)
+            for o in seg.outputs:
+                extra[o.id] = o.nbytes
+                live += extra[o.id]
+            for v in seg.inputs:
+                release(v.id)
+        peak = max(peak, live)
+        if trace is not None:
+            trace[rec.index] = max(trace.get(rec.index, 0), live)
+        for key in keys:
+            release(key)
+    return peak, flops, size
+
+
+def _keep_effects(tape: Tape, fixed: Sequence[str | None]) -> list[str | None]:
+    """Binding "save" for every free record with a harmful side effect."""
+    return [
+        f if f is not None or not _harmful(effects_of(r)) else "save"
+        for r, f in zip(tape.records, fixed)
+    ]
+
+
+def _canonical_names(tape: Tape) -> dict[int, tuple]:
+    """Var id -> a name that survives re-tracing: ("in", position) or ("out", record,
+    output)."""
+    names: dict[int, tuple] = {v.id: ("in", i) for i, v in enumerate(tape.inputs)}
+    for i, (v, _) in enumerate(tape.consts):
+        names[v.id] = ("const", i)
+    for r in tape.records:
+        for j, o in enumerate(r.outputs):
+            names[o.id] = ("out", r.index, j)
+    return names
+
+
+def _to_canonical(tape: Tape, mech: dict) -> dict:
+    names = _canonical_names(tape)
+    return {(names[k] if isinstance(k, int) else k): m for k, m in mech.items()}
+
+
+def _from_canonical(tape: Tape, canon: dict) -> dict:
+    if not canon:
+        return {}
+    ids = {n: i for i, n in _canonical_names(tape).items()}
+    return {(ids[k] if k[0] != "aux" else k): m for k, m in canon.items()}
+
+
+def structure_key(tape: Tape, fixed: Sequence[Any]) -> tuple:
+    """Identifies a tape's structure (what the plan depends on), to reuse a plan when
+    the same function is traced again (tg.grad, memory_report, jit of the same f).
+
+    Values are renamed canonically, inputs and constants alike (both cost nothing to
+    keep): `memory_report` traces an argument as an input where `tg.grad` with
+    ``argnums`` makes it a constant, and the plan is the same."""
+    names: dict[int, tuple] = {}
+    recs = []
+    for r in tape.records:
+        ins: list[tuple | None] = []
+        for u in r.inputs:
+            if not isinstance(u, Var):
+                ins.append(None)
+                continue
+            if u.id not in names:
+                names[u.id] = ("free", len(names), u.shape, str(u.dtype))
+            ins.append(names[u.id])
+        for o in r.outputs:
+            names[o.id] = ("out", len(names), o.shape, str(o.dtype))
+        recs.append(
+            (
+                r.primitive,
+                tuple(ins),
+                tuple(names[o.id] for o in r.outputs),
+                r.saves,
+                r.rule,
+                r.region,
+                record_flops(r),
+            )
+        )
+    return tuple(recs), tuple(fixed)
