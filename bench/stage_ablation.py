@@ -35,9 +35,8 @@ STAGES = {
     "relaxed plans": "_RELAXED=0",
     "small exhaustive search": "SMALL_SEARCH=0",
 }
-ROW = re.compile(
-    r"^\| (\w+) \| (\d+) \| (\d+) \| (\d+)% \| ([\d.—-]+) \| ([\d.]+) \| ([\d.—-]+) \| ([\d.]+) \|"
-)
+_CELL = r" ([^|]+?) \|"
+ROW = re.compile(r"^\|" + _CELL * 2 + r" (\d+) \| (\d+)% \|" + (_CELL + r" ([\d.]+) \|") * 2)
 
 
 def run(setting: str, quick: bool) -> dict:
@@ -49,7 +48,7 @@ def run(setting: str, quick: bool) -> dict:
         m = ROW.match(line)
         if m:
             fam, size, _, pct, h, hs, w, ws = m.groups()
-            cells[(fam, int(size), int(pct))] = tuple(
+            cells[(fam, size, int(pct))] = tuple(
                 float(v) if v[0].isdigit() else None for v in (h, hs, w, ws)
             )
     if not cells:
