@@ -47,8 +47,11 @@ def _cases():
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--svg", help="also write the README's picture (a 4-layer MLP) here")
     _results.add_arguments(ap)
     args = ap.parse_args()
+    if args.svg:
+        readme_picture(args.svg)
     _results.start(args)
     head = ("records", 9), ("boxes", 7), ("folded", 8), ("graph s", 9), ("svg s", 7), ("KB", 6)
     print(f"{'tape':<23}" + "".join(f"{h:>{w}}" for h, w in head))
@@ -64,6 +67,19 @@ def main() -> None:
             f"{len(svg) / 1e3:>6.0f}"
         )
     _results.finish(args, "graph_bench")
+
+
+def readme_picture(path: str) -> None:
+    """The README's graph: a small MLP under offload(), kept values and their bytes."""
+
+    def mlp(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return jnp.mean(x**2)
+
+    ws = [jnp.full((64, 64), 0.01)] * 3
+    rep = tg.memory_report(mlp, policy=tg.policies.offload())(ws, jnp.ones((16, 64)))
+    rep.graph().save(path)
 
 
 def _walk(tape):

@@ -282,6 +282,11 @@ class _Drawer:
         top = not path
         producer: dict[int, str] = {}
         kept, _ = tape.residual_keys()
+        # Each kept value's decision is its first saver's (the record its bytes count on).
+        key_decision: dict[Any, str] = {}
+        for rec in tape.records:
+            for key, d in self.keeps(tape, rec, path).key_decision.items():
+                key_decision.setdefault(key, d)
         for k, v in enumerate(tape.inputs):
             name = f"{p}in{k}"
             producer[v.id] = name
@@ -304,7 +309,7 @@ class _Drawer:
             name = f"{p}r{box.recs[0]}"
             for i in box.recs:
                 box_of[i] = name
-            decisions = self._box(tape, box, name, path)
+            self._box(tape, box, name, path)
             if box.kind != "record":
                 self.folded += len(box.recs)
             region = tape.records[box.recs[0]].region
@@ -330,10 +335,10 @@ class _Drawer:
                         )
                     if src is None or src == name:
                         continue
-                    d = decisions.get(u.id)
+                    dec = key_decision.get(u.id)
                     prev = edge_style.get((src, name))
-                    if prev is None or (d and not prev):
-                        edge_style[(src, name)] = d or ""
+                    if prev is None or (dec and not prev):
+                        edge_style[(src, name)] = dec or ""
         for region, names in by_region.items():
             if region is None:
                 continue
