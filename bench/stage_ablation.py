@@ -78,17 +78,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="ilp_bench's quick cells")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--stages", nargs="*", help="only these stages (names as in STAGES)")
     _results.add_arguments(ap)
     args = ap.parse_args()
     _results.start(args)
-    settings = ["", *STAGES.values()]
+    stages = {k: v for k, v in STAGES.items() if not args.stages or k in args.stages}
+    settings = ["", *stages.values()]
     with ThreadPoolExecutor(args.jobs) as pool:
         got = dict(zip(settings, pool.map(lambda s: run(s, args.quick), settings)))
     base = got[""]
     print(f"ilp_bench --plans{' --quick' * args.quick}: {len(base)} cells; shipped planner")
     print("| stage off | cells ≥1% slower | worst | CPU saved (no highspy) | (shipped) | verdict |")
     print("|---|---|---|---|---|---|")
-    for stage, setting in STAGES.items():
+    for stage, setting in stages.items():
         worse, worst, cpu_h, cpu_w = compare(base, got[setting])
         verdict = "keeps its place" if worse else ("goes" if max(cpu_h, cpu_w) >= 0.05 else "free")
         print(
