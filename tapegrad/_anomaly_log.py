@@ -5,8 +5,9 @@
 passed — in forward, a record whose output is non-finite while all its inputs are finite;
 in backward, a VJP rule that returns a non-finite cotangent while the cotangents it
 received and the values it read from forward (its inputs and outputs) are finite. The
-copies downstream of an origin are not events. Inside a loop, the first step with a
-non-finite value is examined (later steps inherit its carry) and the event names it.
+copies downstream of an origin are not events. Inside a loop every step is examined in
+the order it ran, a scan's non-finite carry passed on to the next step as a non-finite
+input, and the event names its step.
 
 Eagerly, each event (and a halting `AnomalyError`) carries `Operand` summaries of the
 record's operands — its inputs in forward, the cotangents it received in backward:
@@ -186,19 +187,7 @@ def _scan(sites, codes, bad: set, path) -> list:
     loops_reported: set[int] = set()
     for s in sites:
         if s.kind == "loop":
-            per_step = len(s.body) and s.size // len(s.steps)
-            hit = None
-            for t in s.steps:
-                step_codes = [codes.pop(0) for _ in range(per_step)]
-                if hit is None and any(step_codes):
-                    hit = (t, step_codes)
-            if hit is not None:
-                inner = _scan(s.body, list(hit[1]), set(), path + [(s, hit[0])])
-                found += inner
-                if inner and s.record is not None:
-                    loops_reported.add(s.record.index)
-                for o in s.record.outputs if s.record is not None else ():
-                    bad.add(("fwd", o.id))
+            found += _loop(s, codes, bad, path, loops_reported)
             continue
         code = int(codes.pop(0))
         if not code:
@@ -223,6 +212,66 @@ def _scan(sites, codes, bad: set, path) -> list:
             continue  # the loop's own output: its body's origin was reported
         found.append((s, code, path))
     return found
+
+
+def _phase(sites) -> str:
+    """ "fwd" for a forward pass's sites, "ct" for a backward pass's."""
+    for s in sites:
+        if s.kind == "loop":
+            return _phase(s.body)
+        return "ct" if s.kind in ("backward", "cotangent") else "fwd"
+    return "fwd"
+
+
+def _loop(s: Site, codes: list, bad: set, path, loops_reported: set) -> list:
+    """The origins inside a loop site, step by step (in the order the steps ran). A
+    scan's carry found non-finite in one step is non-finite where the next step reads
+    it; the loop's own operands non-finite make every value inside a copy."""
+    rec = s.record
+    phase = _phase(s.body)
+    per_step = sum(b.size for b in s.body)
+    outer: list = []
+    if rec is not None:  # what the loop record reads: its operands; in backward also its
+        # cotangents and, as its residuals, its outputs
+        outer = [_key("fwd", u) for u in rec.inputs]
+        if phase == "ct":
+            outer += [_key(kind, o) for o in rec.outputs for kind in ("ct", "fwd")]
+    upstream = any(r in bad for r in outer if r is not None)
+    found: list = []
+    carried: set = set()
+    hit = False
+    for t in s.steps:
+        step = [codes.pop(0) for _ in range(per_step)]
+        inner_bad = set(carried)
+        if any(step):
+            hit = True
+            if not upstream:
+                found += _scan(s.body, step, inner_bad, path + [(s, t)])
+        carried = _carries(rec, phase, inner_bad)
+    if found and rec is not None:
+        loops_reported.add(rec.index)
+    if hit and rec is not None and phase == "fwd":
+        bad.update(("fwd", o.id) for o in rec.outputs)
+    return found
+
+
+def _carries(rec: Record | None, phase: str, inner_bad: set) -> set:
+    """The keys of a scan body's carry inputs (forward) or carry outputs' cotangents
+    (backward) that the next step receives non-finite."""
+    if rec is None or rec.primitive != "scan" or not rec.bodies:
+        return set()
+    body = rec.bodies[0]
+    nc, nk = int(rec.params.get("num_consts", 0)), int(rec.params.get("num_carry", 0))
+    out = set()
+    for k in range(nk):
+        if nc + k >= len(body.inputs) or k >= len(body.outputs):
+            break
+        i, o = body.inputs[nc + k], body.outputs[k]
+        if phase == "fwd" and _key("fwd", o) in inner_bad:
+            out.add(("fwd", i.id))
+        if phase == "ct" and _key("ct", i) in inner_bad and isinstance(o, Var):
+            out.add(("ct", o.id))
+    return out
 
 
 def event(site: Site, code: int, path, text: str, operands) -> AnomalyEvent:

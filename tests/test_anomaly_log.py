@@ -92,20 +92,39 @@ def test_two_independent_forward_origins():
     assert [(e.primitive, e.phase) for e in log.events] == [("log", "forward"), ("asin", "forward")]
 
 
-def test_inside_a_scan_the_first_bad_step():
+def test_inside_a_scan_every_step_and_the_carry_passed_on():
     def h(x):
         def step(c, xi):
-            c = c + jnp.log(xi)
-            return c, c
+            c = c + jnp.log(xi)  # NaN at steps 2 and 4; the carry keeps step 2's
+            return c * 1.0, c
 
         _, ys = jax.lax.scan(step, 0.0, x)
         return jnp.sum(ys)
 
     with tg.detect_anomaly(halt=False) as log:
         tg.grad(h)(jnp.array([1.0, 2.0, -1.0, 3.0, -2.0]))
-    (e,) = log.events
-    assert (e.primitive, e.step, e.phase) == ("log", (2,), "forward")
-    assert "step 2" in e.message
+    # log at step 4 is an origin of its own (its input is finite); the adds and muls of
+    # steps 2-4 that read the NaN carry are copies
+    assert [(e.primitive, e.step, e.phase) for e in log.events] == [
+        ("log", (2,), "forward"),
+        ("log", (4,), "forward"),
+    ]
+    assert "step 2" in log.events[0].message
+
+
+def test_a_scan_of_a_non_finite_input_is_a_copy():
+    def h(x):
+        y = jnp.log(x)  # the origin
+
+        def step(c, yi):
+            return c + jnp.sin(yi), None
+
+        c, _ = jax.lax.scan(step, 0.0, y)
+        return c
+
+    with tg.detect_anomaly(halt=False) as log:
+        tg.grad(h)(jnp.array([1.0, -1.0, 2.0]))
+    assert [(e.primitive, e.step) for e in log.events] == [("log", None)]
 
 
 def test_a_halting_error_carries_the_record_and_its_operands():
