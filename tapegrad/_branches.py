@@ -30,7 +30,7 @@ from tapegrad._loop_records import forwarded_ids
 from tapegrad._tape import Record
 
 
-def _cond_forward(rec: Record, ins: list, res, observer) -> tuple[list, _Stored]:
+def _cond_forward(rec: Record, ins: list, res, observer=None) -> tuple[list, _Stored]:
     idx, ops = ins[0], ins[1:]
     fwd = forwarded_ids(rec)
     n = len(rec.bodies)
@@ -117,7 +117,9 @@ def _zeros_like_aval(aval):
     return z
 
 
-def _cond_backward(rec: Record, x: list, stored: _Stored, gs: list, retain: bool, observer) -> list:
+def _cond_backward(
+    rec: Record, x: list, stored: _Stored, gs: list, retain: bool, observer=None
+) -> list:
     ops_vars = rec.inputs[1:]
     act = rec.active[1:]
     n = len(rec.bodies)

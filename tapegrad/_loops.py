@@ -76,16 +76,4 @@ def scan_backward(rec: Record, x: list, stored: Any, gs: list, retain: bool, obs
 
 
 register_kind("scan", RecordKind(scan_forward, scan_backward, loop_residual_bytes))
-
-
-def cond_forward(rec: Record, ins: list, res, observer=None) -> tuple[list, _Stored]:
-    return _cond_forward(rec, ins, res, observer)
-
-
-def cond_backward(
-    rec: Record, x: list, stored: _Stored, gs: list, retain: bool, observer=None
-) -> list:
-    return _cond_backward(rec, x, stored, gs, retain, observer)
-
-
-register_kind("cond", RecordKind(cond_forward, cond_backward, loop_residual_bytes))
+register_kind("cond", RecordKind(_cond_forward, _cond_backward, loop_residual_bytes))
