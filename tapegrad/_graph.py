@@ -18,7 +18,6 @@ line, so a drawing stays near `MAX_NODES` boxes whatever the tape's length.
 
 from __future__ import annotations
 
-import html
 import shutil
 import subprocess
 import weakref
@@ -27,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tapegrad._display import _record_sig, fold_runs, human_bytes, short_source
+from tapegrad._display_html import e
 from tapegrad._tape import Record, Tape, Var, aval_str, kind_of, register_printer
 
 __all__ = ["MAX_NODES", "TapeGraph", "report_graph", "tape_graph"]
@@ -41,10 +41,6 @@ COLORS = {
     "rebuilt": "#0f766e",
 }
 _FONT = 'fontname="Helvetica"'
-
-
-def _e(s: Any) -> str:
-    return html.escape(str(s), quote=True)
 
 
 @dataclass(frozen=True)
@@ -79,10 +75,10 @@ class TapeGraph:
         try:
             pic = self.svg()
         except RuntimeError as err:
-            pic = f"<p>{_e(err)}</p><pre>{_e(self.source)}</pre>"
+            pic = f"<p>{e(str(err))}</p><pre>{e(self.source)}</pre>"
         parts = [f'<div class="tg-graph">{_legend()}{pic}']
         for label, g in self.bodies:
-            parts.append(f"<details><summary>{_e(label)}</summary>{g._repr_html_()}</details>")
+            parts.append(f"<details><summary>{e(label)}</summary>{g._repr_html_()}</details>")
         return "".join(parts) + "</div>"
 
 
@@ -283,16 +279,17 @@ class _Drawer:
         producer: dict[int, str] = {}
         kept, _ = tape.residual_keys()
         # Each kept value's decision is its first saver's (the record its bytes count on).
+        keeps = [self.keeps(tape, rec, path) for rec in tape.records]
         key_decision: dict[Any, str] = {}
-        for rec in tape.records:
-            for key, d in self.keeps(tape, rec, path).key_decision.items():
+        for kp in keeps:
+            for key, d in kp.key_decision.items():
                 key_decision.setdefault(key, d)
         for k, v in enumerate(tape.inputs):
             name = f"{p}in{k}"
             producer[v.id] = name
             active = not tape.active_inputs or tape.active_inputs[k]
             what = ("input" if top else "in") + f" {k}"
-            label = f"<b>{what}</b> {_e(v)}: {_e(v.aval)}"
+            label = f"<b>{what}</b> {e(str(v))}: {e(v.aval)}"
             if not active:
                 label += '<br/><font point-size="9">not differentiated</font>'
             if v.id in kept:
@@ -309,7 +306,7 @@ class _Drawer:
             name = f"{p}r{box.recs[0]}"
             for i in box.recs:
                 box_of[i] = name
-            self._box(tape, box, name, path)
+            self._box(tape, box, name, path, [keeps[i] for i in box.recs])
             if box.kind != "record":
                 self.folded += len(box.recs)
             region = tape.records[box.recs[0]].region
@@ -326,7 +323,7 @@ class _Drawer:
                         src = producer[u.id] = f"{p}c{u.id}"
                         self.node(
                             src,
-                            f"const {_e(u.aval)}",
+                            f"const {e(u.aval)}",
                             shape="box",
                             fontsize="9",
                             style="rounded,filled",
@@ -345,7 +342,7 @@ class _Drawer:
             src = next((r.source for r in tape.regions if r.id == region), "")
             self.lines.append(
                 f'  subgraph cluster_{p}g{region} {{ style="dashed,rounded"; color="#2f855a"; '
-                f'label="checkpoint {_e(short_source(src, 48))}"; fontsize=10; '
+                f'label="checkpoint {e(short_source(src, 48))}"; fontsize=10; '
                 + " ".join(names)
                 + "; }"
             )
@@ -360,7 +357,7 @@ class _Drawer:
             what = ("output" if top else "out") + f" {k}"
             self.node(
                 name,
-                f"<b>{what}</b> {_e(aval)}",
+                f"<b>{what}</b> {e(aval)}",
                 shape="box",
                 style="rounded,filled",
                 fillcolor="#fdebd3",
@@ -368,19 +365,16 @@ class _Drawer:
             if isinstance(out, Var) and out.id in producer:
                 self.lines.append(f"  {producer[out.id]} -> {name};")
 
-    def _box(self, tape: Tape, box: _Box, name: str, path: tuple) -> dict[Any, str]:
+    def _box(self, tape: Tape, box: _Box, name: str, path: tuple, keeps: list[_Keeps]) -> None:
+        """Draw one box; ``keeps``: what each of its records keeps."""
         recs = [tape.records[i] for i in box.recs]
         rec = recs[0]
-        keeps = [self.keeps(tape, r, path) for r in recs]
-        decisions: dict[Any, str] = {}
-        for k in keeps:
-            decisions.update(k.key_decision)
-        src = _e(short_source(rec.source, 44))
+        src = e(short_source(rec.source, 44))
         if box.kind == "record":
             outs = " ".join(o.aval for o in rec.outputs[:2]) + (
                 " …" if len(rec.outputs) > 2 else ""
             )
-            head = f"<b>{_e(_title(rec))}</b> {_e(outs)}"
+            head = f"<b>{e(_title(rec))}</b> {e(outs)}"
             lines = [ln for k in keeps for ln in k.lines]
         else:
             counts = Counter(r.primitive for r in recs)
@@ -391,13 +385,13 @@ class _Drawer:
                 head = f"<b>× {box.repeats} more of the {box.period} records above</b>"
             else:
                 head = f"<b>{len(recs)} records</b>"
-            head += f'<br/><font point-size="9">{_e(prims)}</font>'
+            head += f'<br/><font point-size="9">{e(prims)}</font>'
             total = sum(s.nbytes for r in recs for s in r.saves)
             lines = [f"keep {human_bytes(total)}"] if total else []
         label = head + f'<br/><font point-size="9" color="#555555">{src}</font>'
         for ln in lines[:4]:
             d = next((dd for dd in COLORS if dd in ln.rsplit("·", 1)[-1]), "save")
-            label += f'<br/><font point-size="9" color="{COLORS[d]}">{_e(ln)}</font>'
+            label += f'<br/><font point-size="9" color="{COLORS[d]}">{e(ln)}</font>'
         if len(lines) > 4:
             label += f'<br/><font point-size="9">… {len(lines) - 4} more</font>'
         attrs = {"shape": "box", "style": "rounded"}
@@ -416,7 +410,7 @@ class _Drawer:
                 sub = path + (rec.index, b)
                 if self.inline:
                     self.lines.append(
-                        f'  subgraph cluster_{name}_b{b} {{ label="{_e(blabel)}"; fontsize=10; '
+                        f'  subgraph cluster_{name}_b{b} {{ label="{e(blabel)}"; fontsize=10; '
                         'style="rounded,filled"; fillcolor="#f8fafc"; color="#94a3b8";'
                     )
                     first = len(self.lines)
@@ -430,7 +424,6 @@ class _Drawer:
                         )
                 else:
                     self.bodies.append((blabel, body, sub))
-        return decisions
 
 
 def _title(rec: Record) -> str:
