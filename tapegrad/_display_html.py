@@ -161,7 +161,13 @@ def by_source_table(
     )
 
 
-def page(cls: str, totals: Sequence[str], table: str, extra: str = "") -> str:
+def page(
+    cls: str, totals: Sequence[str], table: str, extra: str = "", notes: Sequence[str] = ()
+) -> str:
+    """A view: its totals, its table, then ``notes`` (one line each) and ``extra``."""
+    if notes:
+        lines = "".join(f"<div>{e(n)}</div>" for n in notes)
+        extra = f'<div class="tg-notes">{lines}</div>{extra}'
     return (
         f'<div class="tg-view {cls}"><style>{_CSS}</style>'
         f'<div class="tg-totals">{"".join(totals)}</div>{table}{extra}</div>'

@@ -203,11 +203,4 @@ def jax_residuals_html(jr: Any) -> str:
         ),
         src_cells,
     )
-    if jr.notes:
-        extra = (
-            '<div class="tg-notes">'
-            + "".join(f"<div>note: {e(n)}</div>" for n in jr.notes)
-            + "</div>"
-            + extra
-        )
-    return page("tg-jax-residuals", totals, table, extra)
+    return page("tg-jax-residuals", totals, table, extra, [f"note: {n}" for n in jr.notes])

@@ -454,14 +454,7 @@ def report_html(rep) -> str:
     )
     notes = [f"note: {n}" for n in getattr(rep, "notes", ())]
     notes += [f"policy: {n}" for n in getattr(rep, "policy_notes", ())]
-    if notes:
-        extra = (
-            '<div class="tg-notes">'
-            + "".join(f"<div>{e(n)}</div>" for n in notes)
-            + "</div>"
-            + extra
-        )
-    return page("tg-memory", totals, table, extra)
+    return page("tg-memory", totals, table, extra, notes)
 
 
 def _schedule_text(rec) -> str:
