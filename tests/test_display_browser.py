@@ -78,6 +78,43 @@ class _Body(html.parser.HTMLParser):
             self.classes.extend(f"{tag}.{c}" for c in a["class"].split())
 
 
+def dump_dom(path, profile) -> tuple[str, _Body]:
+    """The DOM Chromium builds from ``path`` (after the page's scripts ran), parsed."""
+    dom = subprocess.run(
+        [chromium(), *FLAGS, f"--user-data-dir={profile}", "--dump-dom", path.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    p = _Body()
+    p.feed(dom.stdout)
+    return dom.stdout, p
+
+
+def screenshot_ink(path, profile, png, size: str) -> float:
+    """Screenshot ``path`` into ``png``; the fraction of pixels unlike the background."""
+    run = subprocess.run(
+        [
+            chromium(),
+            *FLAGS,
+            f"--user-data-dir={profile}",
+            f"--window-size={size}",
+            f"--screenshot={png}",
+            path.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert png.exists()
+    import matplotlib.image
+
+    img = matplotlib.image.imread(str(png))[..., :3]
+    return float(np.mean(np.any(np.abs(img - img[0, 0]) > 0.2, axis=-1)))
+
+
 @pytest.fixture(scope="module")
 def page(tmp_path_factory):
     ws = [jnp.full((8, 8), 0.01 * (i % 3 + 1)) for i in range(60)]
@@ -97,16 +134,7 @@ def page(tmp_path_factory):
 
 def test_chromium_renders_the_tables(page, tmp_path):
     path, tape, rep = page
-    exe = chromium()
-    dom = subprocess.run(
-        [exe, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", path.as_uri()],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert dom.returncode == 0, dom.stderr[-2000:]
-    p = _Body()
-    p.feed(dom.stdout)
+    out, p = dump_dom(path, tmp_path / "profile")
     for el in (
         "table.tapegrad-tape",
         "table.tapegrad-memory",
@@ -116,10 +144,10 @@ def test_chromium_renders_the_tables(page, tmp_path):
     ):
         assert el in p.classes, el
     # the totals, as the browser parsed them
-    assert f'data-key="records" data-v="{len(tape.records)}"' in dom.stdout
-    assert f'data-key="saved_bytes" data-v="{tape.saved_bytes}"' in dom.stdout
-    assert f'data-key="host_bytes" data-v="{rep.host_bytes}"' in dom.stdout
-    assert f"{rep.residual_bytes:,}" in dom.stdout
+    assert f'data-key="records" data-v="{len(tape.records)}"' in out
+    assert f'data-key="saved_bytes" data-v="{tape.saved_bytes}"' in out
+    assert f'data-key="host_bytes" data-v="{rep.host_bytes}"' in out
+    assert f"{rep.residual_bytes:,}" in out
     # laid out: tables have a width, an opened fold's columns line up with the header's
     b = p.body
     assert int(b["data-tape-width"]) > 400 and int(b["data-memory-width"]) > 400, b
@@ -131,27 +159,9 @@ def test_chromium_renders_the_tables(page, tmp_path):
 
 def test_chromium_screenshot_is_not_blank(page, tmp_path):
     path, _, _ = page
-    exe = chromium()
     png = tmp_path / "shot.png"
-    run = subprocess.run(
-        [
-            exe,
-            *FLAGS,
-            f"--user-data-dir={tmp_path / 'profile'}",
-            "--window-size=1300,900",
-            f"--screenshot={png}",
-            path.as_uri(),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert png.exists() and png.stat().st_size > 10_000
-    import matplotlib.image
-
-    img = matplotlib.image.imread(str(png))[..., :3]
-    ink = np.mean(np.any(np.abs(img - img[0, 0]) > 0.2, axis=-1))
+    ink = screenshot_ink(path, tmp_path / "profile", png, "1300,900")
+    assert png.stat().st_size > 10_000
     assert 0.01 < ink < 0.6, ink  # text on a background: neither empty nor a solid block
 
 
@@ -191,39 +201,12 @@ def test_chromium_draws_the_tape_graph(tmp_path):
         f"{g._repr_html_()}{GRAPH_PROBE}</body></html>",
         encoding="utf-8",
     )
-    exe = chromium()
-    dom = subprocess.run(
-        [exe, *FLAGS, f"--user-data-dir={tmp_path / 'p1'}", "--dump-dom", path.as_uri()],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert dom.returncode == 0, dom.stderr[-2000:]
-    p = _Body()
-    p.feed(dom.stdout)
+    _, p = dump_dom(path, tmp_path / "p1")
     b = p.body
     # every box drawn (top level, then the body's graph under its <details>)
     assert int(b["data-graph-nodes"]) == g.nodes, b
     assert int(b["data-graph-edges"]) > g.nodes // 2
     assert int(b["data-bodies"]) == 1
     assert int(b["data-graph-width"]) > 200 and int(b["data-graph-height"]) > 400, b
-    png = tmp_path / "graph.png"
-    run = subprocess.run(
-        [
-            exe,
-            *FLAGS,
-            f"--user-data-dir={tmp_path / 'p2'}",
-            "--window-size=1000,1400",
-            f"--screenshot={png}",
-            path.as_uri(),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    import matplotlib.image
-
-    img = matplotlib.image.imread(str(png))[..., :3]
-    ink = np.mean(np.any(np.abs(img - img[0, 0]) > 0.2, axis=-1))
+    ink = screenshot_ink(path, tmp_path / "p2", tmp_path / "graph.png", "1000,1400")
     assert 0.005 < ink < 0.6, ink
