@@ -3,9 +3,9 @@
     python bench/control_flow_bench.py [--rounds N]
 
 Such a function cannot be traced abstractly, so tapegrad records its tape from a run
-(`tapegrad/_record.py`) and then runs forward and backward on it; jax.grad runs its JVP
-and partial evaluation eagerly. Times are medians of interleaved calls; the ratio is the
-median of per-round ratios (tapegrad / jax).
+(`tapegrad/engine/concrete_trace.py`) and then runs forward and backward on it; jax.grad
+runs its JVP and partial evaluation eagerly. Times are medians of interleaved calls; the
+ratio is the median of per-round ratios (tapegrad / jax).
 """
 
 from __future__ import annotations

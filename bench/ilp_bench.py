@@ -49,8 +49,8 @@ from tapegrad.planner import (  # noqa: E402
     ilp,  # noqa: E402
     joint,  # noqa: E402
 )
-from tapegrad.planner import ilp_joint as J  # noqa: E402
 from tapegrad.planner.cost import CostModel  # noqa: E402
+from tapegrad.planner.ilp import joint as J  # noqa: E402
 from tapegrad.planner.index import TapeIndex  # noqa: E402
 from tapegrad.planner.scorer import Scorer  # noqa: E402
 from tests.policies.test_planner_ilp_joint import (  # noqa: E402

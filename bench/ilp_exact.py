@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tapegrad as tg  # noqa: E402
 from bench.ilp_bench import ALL, COSTS, MECHS, families, floor_of, fmt, heuristic  # noqa: E402
 from tapegrad.planner import Budget, BudgetError, estimate  # noqa: E402
-from tapegrad.planner import ilp_joint as J  # noqa: E402
+from tapegrad.planner.ilp import joint as J  # noqa: E402
 
 
 def exact(tape, b: int, seconds: float, any_depth: bool = False) -> dict:

@@ -46,7 +46,7 @@ from tapegrad.planner import (  # noqa: E402
     ilp,  # noqa: E402
     joint,  # noqa: E402
 )
-from tapegrad.planner import ilp_joint as J  # noqa: E402
+from tapegrad.planner.ilp import joint as J  # noqa: E402
 from tapegrad.planner.index import TapeIndex  # noqa: E402
 
 # (family, records, budget as % of save()'s peak) from RESULTS.md Session 12

@@ -33,7 +33,7 @@ from _models import rnn_params
 from _timing import interleaved
 
 import tapegrad as tg
-from tapegrad._loop_records import loop_bytes, schedule_costs
+from tapegrad.engine.loops.saves import loop_bytes, schedule_costs
 
 B, W = 8, 32
 

@@ -43,7 +43,7 @@ from _models import (
 )
 
 import tapegrad as tg
-from tapegrad import _caches
+from tapegrad.core import caches as _caches
 
 POLICIES = {
     "save": tg.policies.save,

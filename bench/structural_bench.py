@@ -216,7 +216,7 @@ def main() -> None:
     p = cnn_params(key)
     img = jax.random.normal(jax.random.PRNGKey(2), (32, 28, 28, 1))
     if a.op_by_op:
-        from tapegrad import _interpret
+        from tapegrad.engine import interpret as _interpret
 
         _interpret.run_compiled_segment = lambda *_: None  # the per-record path instead
     print(f"tapegrad from {tg.__file__}" + (" (rebuilt draws op by op)" if a.op_by_op else ""))

@@ -1,14 +1,13 @@
 """tapegrad: JAX autodiff on an explicit tape, with pluggable residual policies."""
 
 from tapegrad import (
-    _display_html,  # noqa: F401  (registers the tape's "html" printer)
-    _display_text,  # noqa: F401  (registers the tape's "text" printer)
     errors,
     passes,
     policies,
     rules,
 )
-from tapegrad._anomaly import (
+from tapegrad._version import __version__
+from tapegrad.anomaly.detect import (
     AnomalyEvent,
     AnomalyLog,
     AnomalyMode,
@@ -16,23 +15,21 @@ from tapegrad._anomaly import (
     is_anomaly_enabled,
     set_detect_anomaly,
 )
-from tapegrad._caches import clear_caches
-from tapegrad._checkpoint import (
+from tapegrad.api.function import Function, FunctionCtx, once_differentiable
+from tapegrad.api.grad_hook import hook
+from tapegrad.api.gradcheck import gradcheck, gradgradcheck
+from tapegrad.api.transforms import grad, trace, value_and_grad, vjp
+from tapegrad.core.caches import clear_caches
+from tapegrad.core.tape import Lit, Record, Saved, Tape, Var
+from tapegrad.display import html, text  # noqa: F401  (register the tape's printers)
+from tapegrad.display.graph import TapeGraph
+from tapegrad.engine.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     checkpoint_sequential,
     name,
     selective,
 )
-from tapegrad._checks import gradcheck, gradgradcheck
-from tapegrad._function import Function, FunctionCtx, once_differentiable
-from tapegrad._graph import TapeGraph
-from tapegrad._hooks import hook
-from tapegrad._jax_residuals import JaxResiduals, jax_residuals
-from tapegrad._memory import MemoryReport, memory_report
-from tapegrad._tape import Lit, Record, Saved, Tape, Var
-from tapegrad._transforms import grad, trace, value_and_grad, vjp
-from tapegrad._version import __version__
 from tapegrad.errors import (
     AnomalyError,
     DtypeError,
@@ -52,6 +49,8 @@ from tapegrad.policies import (
     residual_policy,
     saved_tensors_hooks,
 )
+from tapegrad.report.jax_residuals import JaxResiduals, jax_residuals
+from tapegrad.report.memory import MemoryReport, memory_report
 
 __all__ = [
     "CheckpointPolicy",

@@ -69,7 +69,7 @@ class AnomalyError(TapegradError, FloatingPointError):
     message carries this error's text (the record and its source line).
 
     ``record``: the `Record` whose output (or VJP rule's output) failed the check;
-    ``operands``: eagerly, summaries of what it read (`tapegrad._anomaly_log.Operand`:
+    ``operands``: eagerly, summaries of what it read (`tapegrad.anomaly.log.Operand`:
     shape, dtype, NaN/Inf counts, min/max of the finite values), else None.
     """
 

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 import tapegrad as tg
-from tapegrad import _anomaly
-from tapegrad._checkpoint import plan_recompute
-from tapegrad._interpret import backward, forward
-from tapegrad._trace import trace_flat
+from tapegrad.anomaly import detect as _anomaly
+from tapegrad.engine.checkpoint import plan_recompute
+from tapegrad.engine.interpret import backward, forward
+from tapegrad.engine.trace import trace_flat
 
 THIS_FILE = os.path.basename(__file__)
 

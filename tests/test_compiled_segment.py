@@ -13,7 +13,9 @@ import pytest
 from conftest import assert_trees_close, rand
 
 import tapegrad as tg
-from tapegrad import _fused, _interpret, _rebuild
+from tapegrad.engine import fused as _fused
+from tapegrad.engine import interpret as _interpret
+from tapegrad.engine import rebuild as _rebuild
 from tapegrad.planner.measure import measured_peak
 
 RATE = 0.25

@@ -320,7 +320,7 @@ def _indent(line: str) -> int:
 
 
 def test_str_shows_loop_and_branch_bodies_indented(rnn_args):
-    from tapegrad._loop_records import loop_residual_bytes
+    from tapegrad.engine.loops.saves import loop_residual_bytes
 
     tape = tg.trace(rnn_cond, argnums=(0, 1))(*rnn_args)
     lines = _check_width(str(tape))
@@ -380,7 +380,7 @@ def test_str_folds_repeated_records_inside_a_body():
 
 
 def test_tape_html_nests_bodies_and_escapes(rnn_args):
-    from tapegrad._loop_records import forwarded_ids, loop_residual_bytes
+    from tapegrad.engine.loops.saves import forwarded_ids, loop_residual_bytes
 
     tape = tg.trace(rnn_cond, argnums=(0, 1))(*rnn_args)
     out = tape._repr_html_()

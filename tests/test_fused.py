@@ -1,4 +1,4 @@
-"""Eager grad as one compiled call (tapegrad/_fused.py): same answers as jax.grad, and
+"""Eager grad as one compiled call (tapegrad/engine/fused.py): same answers as jax.grad, and
 no jit-like staleness — the function is traced every call, so a changed global array,
 Python constant or branch is seen at once."""
 
@@ -13,7 +13,7 @@ import pytest
 from conftest import assert_trees_close, rand
 
 import tapegrad as tg
-from tapegrad import _fused
+from tapegrad.engine import fused as _fused
 
 
 @pytest.fixture
@@ -30,7 +30,7 @@ def compile_at_once(monkeypatch):
         calls.append(out is not None)
         return out
 
-    monkeypatch.setattr("tapegrad._transforms.run_grad", spy)
+    monkeypatch.setattr("tapegrad.api.transforms.run_grad", spy)
     return calls
 
 

@@ -18,8 +18,8 @@ import pytest
 
 import tapegrad as tg
 from tapegrad import policies as P
-from tapegrad._display import human_bytes, short_source
-from tapegrad._graph import MAX_NODES, TapeGraph
+from tapegrad.display.common import human_bytes, short_source
+from tapegrad.display.graph import MAX_NODES, TapeGraph
 
 
 def needs_dot() -> None:

@@ -15,8 +15,8 @@ import pytest
 from jax.ad_checkpoint import checkpoint_name
 
 import tapegrad as tg
-from tapegrad._compare import compare
-from tapegrad._display import WIDTH
+from tapegrad.display.common import WIDTH
+from tapegrad.report.compare import compare
 
 HERE = os.path.abspath(__file__)
 

@@ -13,7 +13,7 @@ from jax import lax
 
 import tapegrad as tg
 from tapegrad import policies as P
-from tapegrad._loop_records import loop_residual_bytes, step_residual_bytes
+from tapegrad.engine.loops.saves import loop_residual_bytes, step_residual_bytes
 
 T, B, D = 200, 8, 32
 ACT = B * D * 4  # one step's activation h: f32[8, 32]

@@ -9,7 +9,7 @@ from conftest import assert_trees_close, rand
 from conftest import held_after_forward as _held
 
 import tapegrad as tg
-from tapegrad import _rebuild
+from tapegrad.engine import rebuild as _rebuild
 
 P = tg.CheckpointPolicy
 

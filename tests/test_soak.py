@@ -18,7 +18,10 @@ import pytest
 from conftest import assert_trees_close, rand
 
 import tapegrad as tg
-from tapegrad import _caches, _fused, _interpret, _trace
+from tapegrad.core import caches as _caches
+from tapegrad.engine import fused as _fused
+from tapegrad.engine import interpret as _interpret
+from tapegrad.engine import trace as _trace
 from tapegrad.rules import _linear
 
 POLICIES = {

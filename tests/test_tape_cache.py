@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import tapegrad as tg
-from tapegrad import _trace
+from tapegrad.engine import trace as _trace
 
 X = jnp.array([0.3, -1.2, 0.7])
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from tapegrad._tape import Tape
+from tapegrad.core.tape import Tape
 from tapegrad.errors import InvalidTapeError
 from tapegrad.passes.check_finite import check_finite
 from tapegrad.passes.checks import check_effects, check_rules, effects_of, validate

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from tapegrad import _anomaly
-from tapegrad._tape import Record, Tape, Var, frozen_params
+from tapegrad.anomaly import detect as _anomaly
+from tapegrad.core.tape import Record, Tape, Var, frozen_params
 
 __all__ = ["check_finite", "CheckFinite"]
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Primitive
 
-from tapegrad._caches import BoundedCache
-from tapegrad._tape import Tape, Var
+from tapegrad.core.caches import BoundedCache
+from tapegrad.core.tape import Tape, Var
 from tapegrad.errors import EffectError, InvalidTapeError, MissingRuleError, where
 
 __all__ = ["validate", "check_rules", "check_effects", "effects_of"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tapegrad._tape import Record, Tape, Var
+from tapegrad.core.tape import Record, Tape, Var
 from tapegrad.passes.checks import effects_of
 
 __all__ = ["dce"]

@@ -20,6 +20,7 @@ planner imports the package's api; the policies package re-exports `budget`,
 `Budget`, `BudgetError`, `CostModel` and `calibrate`.
 """
 
+from tapegrad.planner.budget import Budget, budget
 from tapegrad.planner.cost import (
     CostModel,
     calibrate,
@@ -28,7 +29,6 @@ from tapegrad.planner.cost import (
     record_flops,
     segment_flops,
 )
-from tapegrad.planner.policy import Budget, budget
 from tapegrad.planner.problem import BudgetError, estimate, simulate
 
 __all__ = [

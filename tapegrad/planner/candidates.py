@@ -14,10 +14,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from tapegrad._policy import resolve_prefetch
-from tapegrad._tape import Tape
-from tapegrad.planner import chain_joint, ilp, ilp_joint
+from tapegrad.core.residual_policy import resolve_prefetch
+from tapegrad.core.tape import Tape
+from tapegrad.planner import chain_joint
 from tapegrad.planner.cost import LOWBIT
+from tapegrad.planner.ilp import joint as ilp_joint
+from tapegrad.planner.ilp import mechanisms as ilp
 
 __all__ = [
     "JOINT_WORK",

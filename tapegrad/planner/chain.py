@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from tapegrad._tape import Tape, Var
+from tapegrad.core.tape import Tape, Var
 from tapegrad.planner.cost import record_flops
 
 __all__ = ["Chain", "as_chain", "chain_plan"]

@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from tapegrad._tape import Tape, Var
+from tapegrad.core.tape import Tape, Var
 from tapegrad.planner import joint
 from tapegrad.planner.chain import as_chain
 from tapegrad.planner.cost import CostModel, device_nbytes

@@ -29,9 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tapegrad._policy import register_auto_prefetch
-from tapegrad._tape import Record, Tape, Var, itemsize
-from tapegrad._tape import device_nbytes as _nbytes
+from tapegrad.core.residual_policy import register_auto_prefetch
+from tapegrad.core.tape import Record, Tape, Var, itemsize
+from tapegrad.core.tape import device_nbytes as _nbytes
 from tapegrad.policies._groups import layout_for, type_shards
 from tapegrad.policies._lowbit import (
     key_words,
@@ -255,7 +255,7 @@ def segment_flops(tape: Tape, seg: Any) -> float:
 def device_nbytes(var: Any) -> int:
     """Bytes ``var`` (a `Var` or `Saved`: shape, dtype, optional traced sharding) takes on
     one device: the shard's size when its sharding names a mesh, else the whole value
-    (`tapegrad._tape.device_nbytes`)."""
+    (`tapegrad.core.tape.device_nbytes`)."""
     return _nbytes(tuple(var.shape), var.dtype, getattr(var, "sharding", None))
 
 

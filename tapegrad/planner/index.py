@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from tapegrad._checkpoint import active_segments
-from tapegrad._tape import Segment, Tape, Var
+from tapegrad.core.tape import Segment, Tape, Var
+from tapegrad.engine.checkpoint import active_segments
 from tapegrad.planner.cost import device_nbytes, record_flops
 from tapegrad.planner.joint import Timeline, pole_keys
 

@@ -23,7 +23,7 @@ residual with the most bytes freed there (up to the excess) per second added, un
 the plan fits, then gives back conversions that are no longer needed (costliest
 first) and exchanges pairs of them where that saves time; on the `bench/ilp_bench.py`
 plans it is within 0.2% of the exact assignment on average (`bench/greedy_gap.py`).
-`tapegrad.planner.ilp` solves the same linear model exactly.
+`tapegrad.planner.ilp.mechanisms` solves the same linear model exactly.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from tapegrad._tape import Tape
+from tapegrad.core.tape import Tape
 from tapegrad.planner.cost import LOWBIT, CostModel, compressed_nbytes, device_nbytes
 from tapegrad.planner.problem import _uses, segment_cost
 from tapegrad.policies._lowbit import pole

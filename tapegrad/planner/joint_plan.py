@@ -18,11 +18,12 @@ from typing import Any
 
 import numpy as np
 
-from tapegrad._policy import resolve_prefetch
-from tapegrad._tape import Tape
+from tapegrad.core.residual_policy import resolve_prefetch
+from tapegrad.core.tape import Tape
 from tapegrad.planner import candidates as C
-from tapegrad.planner import ilp_joint, joint
+from tapegrad.planner import joint
 from tapegrad.planner.cost import default_costs, prefetch_depth
+from tapegrad.planner.ilp import joint as ilp_joint
 from tapegrad.planner.joint_search import (
     _fact,
     _facts_of,

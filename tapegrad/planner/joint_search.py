@@ -19,11 +19,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tapegrad._tape import Tape
+from tapegrad.core.tape import Tape
 from tapegrad.planner import candidates as C
-from tapegrad.planner import chain_joint, ilp_joint, joint, search
+from tapegrad.planner import chain_joint, joint, search
 from tapegrad.planner.candidates import _no_lowbit
 from tapegrad.planner.cost import record_flops
+from tapegrad.planner.ilp import joint as ilp_joint
 from tapegrad.planner.save_recompute import _class_starts
 
 __all__ = ["greedy", "descend", "windows", "descend_exact"]

@@ -17,10 +17,10 @@ from typing import Any
 
 import jax
 
-from tapegrad import _interpret
-from tapegrad._policy import resolve_policy
-from tapegrad._tape import Var
-from tapegrad._transforms import _argnums_tuple, _leaf_owners, _Traced
+from tapegrad.api.transforms import _argnums_tuple, _leaf_owners, _Traced
+from tapegrad.core.residual_policy import resolve_policy
+from tapegrad.core.tape import Var
+from tapegrad.engine import interpret as _interpret
 
 __all__ = ["measured_peak"]
 

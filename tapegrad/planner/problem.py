@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tapegrad._checkpoint import segment_peak
-from tapegrad._tape import Tape, Var
+from tapegrad.core.tape import Tape, Var
+from tapegrad.engine.checkpoint import segment_peak
 from tapegrad.errors import TapegradError
 from tapegrad.passes.checks import _harmful, effects_of
 from tapegrad.planner.cost import record_flops, segment_flops

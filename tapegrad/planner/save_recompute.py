@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tapegrad._tape import Tape
+from tapegrad.core.tape import Tape
 from tapegrad.planner import candidates as C
 from tapegrad.planner import families, search
 from tapegrad.planner.chain import as_chain, chain_plan

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
 
-from tapegrad._tape import Record, Tape, Var
+from tapegrad.core.tape import Record, Tape, Var
 from tapegrad.planner.index import TapeIndex
 from tapegrad.planner.joint import Timeline
 

@@ -22,7 +22,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from tapegrad._tape import Var
+from tapegrad.core.tape import Var
 from tapegrad.planner.chain import _pareto
 from tapegrad.planner.scorer import CLASSES, _activation_bytes
 

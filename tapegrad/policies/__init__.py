@@ -3,7 +3,7 @@
 A policy is any object with ``pack(value, info)`` and ``unpack(packed, info)``.
 """
 
-from tapegrad._policy import (
+from tapegrad.core.residual_policy import (
     ResidualInfo,
     ResidualPolicy,
     Save,

@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tapegrad._policy import as_array
-from tapegrad._transforms import grad
+from tapegrad.api.transforms import grad
+from tapegrad.core.residual_policy import as_array
 from tapegrad.policies._lowbit import (
     lowbit_layout,
     pack_lowbit,

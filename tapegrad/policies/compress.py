@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tapegrad._policy import as_array
+from tapegrad.core.residual_policy import as_array
 from tapegrad.policies._allocate import BitAllocation, fit_allocation
 from tapegrad.policies._groups import (
     Layout,

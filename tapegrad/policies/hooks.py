@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tapegrad._policy import ResidualInfo, as_array, packs_inputs, residual_policy
+from tapegrad.core.residual_policy import ResidualInfo, as_array, packs_inputs, residual_policy
 
 __all__ = ["Hooks", "hooks", "Route", "route", "saved_tensors_hooks"]
 

@@ -14,7 +14,7 @@ segment at each level (about 2·log₂T carries, log₂T extra forwards).
 Binomial checkpointing (``snapshots=s``, Griewank's *revolve*) holds at most ``s``
 carries at once and re-runs the fewest forward steps that allows: with ``r`` re-runs per
 step at most C(s + r, s) steps can be reversed. Its snapshots are not evenly spaced: the
-schedule is computed from T and s (`tapegrad._revolve.revolve_plan`).
+schedule is computed from T and s (`tapegrad.engine.loops.revolve.revolve_plan`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import dataclasses
 import math
 from typing import Any
 
-from tapegrad._loop_records import loop_bytes, schedule_costs
-from tapegrad._policy import SAVE
-from tapegrad._revolve import revolve_reruns
+from tapegrad.core.residual_policy import SAVE
+from tapegrad.engine.loops.revolve import revolve_reruns
+from tapegrad.engine.loops.saves import loop_bytes, schedule_costs
 
 __all__ = ["ScanCheckpoint", "scan_checkpoint", "LoopPlan", "choose_loop_schedule"]
 

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 from jax import lax
 
-from tapegrad import _jax_compat as compat
+from tapegrad.core import jax_compat as compat
 
 __all__ = [
     "MIN_ELEMENTS",

@@ -13,9 +13,9 @@ from typing import Any
 
 import jax
 
-from tapegrad import _jax_compat as compat
-from tapegrad._caches import BoundedCache, array_bytes
-from tapegrad._keys import NoKey, jaxpr_key
+from tapegrad.core import jax_compat as compat
+from tapegrad.core.caches import BoundedCache, array_bytes
+from tapegrad.core.keys import NoKey, jaxpr_key
 
 __all__ = ["Linear", "Unsplittable", "jitted", "linear_for", "pruned", "reached"]
 

@@ -18,7 +18,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
-from tapegrad._tape import Saved, Var
+from tapegrad.core.tape import Saved, Var
 
 __all__ = [
     "Rule",

@@ -21,8 +21,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from tapegrad import _jax_compat as compat
-from tapegrad._tape import Lit, custom_vjp_name  # noqa: F401  (documented here: tg.rules.control.custom_vjp_name)
+from tapegrad.core import jax_compat as compat
+from tapegrad.core.tape import Lit, custom_vjp_name  # noqa: F401  (documented here: tg.rules.control.custom_vjp_name)
 from tapegrad.errors import where
 from tapegrad.rules._registry import Rule, defrule
 

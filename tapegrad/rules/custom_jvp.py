@@ -41,8 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tapegrad import _jax_compat as compat
-from tapegrad._keys import array_key, value_key
+from tapegrad.core import jax_compat as compat
+from tapegrad.core.keys import array_key, value_key
 from tapegrad.rules._bits import mask_aval, pack_mask, unpack_mask
 from tapegrad.rules._linear import Linear, Unsplittable, jitted, linear_for, pruned, reached
 from tapegrad.rules._registry import PositiveRef, Ref, Rule, defrule
@@ -175,7 +175,7 @@ def _differentiable(aval) -> bool:
 class ClosesOverTracer(Exception):
     """A custom_jvp rule closes over a value traced with the function (``y`` in
     ``def rule(...): ... * y`` defined inside it): it can only be evaluated inside that
-    trace. Eagerly the tape is recorded from a run instead (`tapegrad._record`)."""
+    trace. Eagerly the tape is recorded from a run instead (`tapegrad.engine.concrete_trace`)."""
 
 
 def _flatten(jaxpr, env: dict, eqns: list) -> list:

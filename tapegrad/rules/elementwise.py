@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from tapegrad._tape import Var
+from tapegrad.core.tape import Var
 from tapegrad.rules._bits import mask_aval, pack_mask, packs, unpack_mask
 from tapegrad.rules._registry import Rule, deflinear, defnondiff, defrule, defvjp
 

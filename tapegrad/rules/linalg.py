@@ -13,7 +13,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from tapegrad import _jax_compat as compat
+from tapegrad.core import jax_compat as compat
 from tapegrad.rules._registry import defvjp
 
 

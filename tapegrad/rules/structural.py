@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from jax import lax
 
-from tapegrad import _jax_compat as compat
+from tapegrad.core import jax_compat as compat
 from tapegrad.rules._registry import Rule, deflinear, defrule
 
 

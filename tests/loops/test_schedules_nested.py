@@ -14,7 +14,7 @@ from conftest import assert_trees_close
 from jax import lax
 
 import tapegrad as tg
-from tapegrad._loop_records import loop_bytes, schedule_costs
+from tapegrad.engine.loops.saves import loop_bytes, schedule_costs
 from tapegrad.policies.loops import balanced_levels, halving_levels
 
 SCHEDULES = {

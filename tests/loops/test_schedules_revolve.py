@@ -16,8 +16,8 @@ from conftest import assert_trees_close
 from jax import lax
 
 import tapegrad as tg
-from tapegrad._loop_records import loop_bytes, schedule_costs
-from tapegrad._revolve import binomial_steps, revolve_plan
+from tapegrad.engine.loops.revolve import binomial_steps, revolve_plan
+from tapegrad.engine.loops.saves import loop_bytes, schedule_costs
 
 
 @functools.cache

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import tapegrad as tg
-from tapegrad._checkpoint import plan_recompute
+from tapegrad.engine.checkpoint import plan_recompute
 from tapegrad.planner import joint
 from tapegrad.planner.cost import CostModel, compressed_nbytes
 from tapegrad.planner.measure import measured_peak
@@ -43,7 +43,7 @@ def model():
 @pytest.mark.parametrize("bits", [4, 2])
 @pytest.mark.parametrize("shape", [(64, 128), (3, 5, 200), (7,), (64, 130)])
 def test_planned_bytes_are_what_compress_stores(bits, shape):
-    from tapegrad._tape import Saved
+    from tapegrad.core.tape import Saved
 
     x = jax.random.normal(jax.random.key(1), shape)
     s = Saved("out", 0, x.shape, x.dtype)
@@ -176,7 +176,7 @@ def test_sharded_low_bit_bytes_are_per_device():
         import jax, jax.numpy as jnp
         from jax.sharding import AxisType, NamedSharding, PartitionSpec as PS
         import tapegrad as tg
-        from tapegrad._tape import Saved
+        from tapegrad.core.tape import Saved
         from tapegrad.planner.cost import compressed_nbytes
 
         mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))

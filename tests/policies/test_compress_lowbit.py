@@ -17,7 +17,7 @@ from conftest import live_bytes_by_kind
 
 import tapegrad as tg
 from tapegrad import policies as P
-from tapegrad._tape import Saved
+from tapegrad.core.tape import Saved
 
 L = importlib.import_module("tapegrad.policies._lowbit")
 G = importlib.import_module("tapegrad.policies._groups")

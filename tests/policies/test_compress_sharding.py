@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P, AxisType
 import tapegrad as tg
 from tapegrad import policies as pol
 from tapegrad.policies._groups import from_groups
-from tapegrad._policy import packs_inputs
+from tapegrad.core.residual_policy import packs_inputs
 
 assert jax.device_count() == 8, jax.devices()
 kind = AxisType.Explicit if KIND == "explicit" else AxisType.Auto

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import tapegrad as tg
-from tapegrad._checkpoint import build_segments
+from tapegrad.engine.checkpoint import build_segments
 from tapegrad.planner import joint, simulate
 from tapegrad.planner.index import TapeIndex
 from tests.policies.test_budget import Cube, gated, make, residual2

@@ -19,8 +19,8 @@ import pytest
 
 import tapegrad as tg
 from tapegrad.planner import Budget, BudgetError, estimate, joint
-from tapegrad.planner import ilp_joint as J
-from tapegrad.planner import ilp_joint_model as M
+from tapegrad.planner.ilp import joint as J
+from tapegrad.planner.ilp import joint_model as M
 from tapegrad.planner.problem import _to_canonical
 from tapegrad.planner.scorer import Scorer
 from tests.policies.test_planner_joint import COSTS, block
@@ -474,7 +474,7 @@ def test_the_relaxation_rejects_what_the_executor_cannot_do():
 
 
 def _brute_optimum(tape, fixed, budget, mechs, prefetch=1):
-    from tapegrad.planner import ilp
+    from tapegrad.planner.ilp import mechanisms as ilp
 
     free = [i for i, f in enumerate(fixed) if f is None]
     sc = Scorer(tape, fixed, budget)
@@ -634,7 +634,7 @@ class _Decoded(Budget):
     """The decoded joint-ILP plan alone: its decisions, mechanisms exact for them."""
 
     def _plan_joint(self, tape, fixed, hints):
-        from tapegrad.planner import ilp
+        from tapegrad.planner.ilp import mechanisms as ilp
 
         dec = J.plan_candidate(tape, fixed, self.bytes, self.mechanisms, self.costs, self.prefetch)
         if dec is None:  # the relaxation is infeasible: so is every executor plan
@@ -967,7 +967,7 @@ def test_a_flops_descent_repairs_what_the_save_recompute_search_cannot_fit(monke
     `optimum` proves, checked where highspy is installed); a descent by flops repairing
     the search's least-peak plan finds it. Without highspy, as CI runs it, and without
     the annealing (`ANNEAL_WORK` = 0), which reaches that plan by itself since."""
-    from tapegrad.planner import ilp
+    from tapegrad.planner.ilp import mechanisms as ilp
     from tapegrad.planner.index import TapeIndex
 
     tape = tg.trace(block, argnums=0)(*block_args(1))

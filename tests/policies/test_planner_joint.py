@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import tapegrad as tg
-from tapegrad._policy import resolve_prefetch
+from tapegrad.core.residual_policy import resolve_prefetch
 from tapegrad.planner import estimate, joint
 from tapegrad.planner.cost import CostModel, compressed_nbytes, device_nbytes
 from tapegrad.planner.measure import measured_peak
@@ -254,7 +254,7 @@ def test_default_budget_is_unchanged_save_recompute(mlp_model):
 
 
 def test_cost_model_bytes():
-    from tapegrad._tape import Var
+    from tapegrad.core.tape import Var
 
     v = Var(0, (32, 64), np.dtype(np.float32))
     assert device_nbytes(v) == v.nbytes
@@ -323,7 +323,7 @@ def test_segment_cost_trades_flops_for_fewer_segments():
 
 
 def _info(v):
-    from tapegrad._tape import Saved
+    from tapegrad.core.tape import Saved
 
     s = Saved("out", 0, v.shape, v.dtype)
     return P.ResidualInfo(None, s, v.shape, v.dtype)
@@ -392,7 +392,7 @@ def test_greedy_is_within_five_percent_of_brute_force_on_a_small_dag():
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_greedy_is_within_five_percent_of_the_ilp_on_random_dags(seed):
     pytest.importorskip("highspy")
-    from tapegrad.planner import ilp
+    from tapegrad.planner.ilp import mechanisms as ilp
 
     f = layered_dag(seed, layers=5, width=3)
     w, x = jnp.eye(16) * 0.5, jnp.ones((8, 16))

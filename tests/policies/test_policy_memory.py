@@ -16,7 +16,7 @@ from conftest import MEMORY_KINDS, live_bytes_by_kind
 
 import tapegrad as tg
 from tapegrad import policies as P
-from tapegrad._memory import vjp_residual_bytes
+from tapegrad.report.memory import vjp_residual_bytes
 
 LAYERS, WIDTH, BATCH = 6, 64, 128
 ACT = BATCH * WIDTH * 4  # one f32[128, 64] activation

@@ -1,0 +1,168 @@
+"""The residual store of one forward run (`Residuals`) and the two crossings of the
+residual policy: `_pack` (forward: a value a record keeps goes through ``policy.pack``,
+once per distinct value) and `_unpack` (backward: ``policy.unpack``, checked against
+the shape and dtype that was packed, and a deleted or donated array named).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from jax import lax
+
+from tapegrad.core import jax_compat as compat
+from tapegrad.core.residual_policy import ResidualInfo, packs_inputs
+from tapegrad.core.tape import Lit, Record, as_dtype
+from tapegrad.errors import ResidualError, where
+
+__all__ = ["Residuals"]
+
+
+class Residuals:
+    """The packed residuals of one forward run, keyed by value.
+
+    A value saved by several records (``tanh``'s output is also the next
+    ``dot_general``'s input) is packed once; ``refs`` counts the records that
+    still need it so backward can release it after its last use.
+    """
+
+    __slots__ = (
+        "store",
+        "refs",
+        "keys",
+        "policy",
+        "infos",
+        "released",
+        "plain",
+        "input_ids",
+        "raw",
+        "loops",
+        "steps",
+        "readers",
+        "sources",
+    )
+
+    def __init__(self, policy):
+        self.store: dict[Any, Any] = {}
+        self.refs: dict[Any, int] = {}
+        self.keys: dict[int, tuple] = {}
+        self.infos: dict[Any, ResidualInfo] = {}
+        self.input_ids: frozenset[int] = frozenset()
+        self.policy = policy
+        self.released = False
+        self.plain = False
+        # Keys stored as they are, never packed: a loop body's residuals that the loop
+        # record keeps once for all steps (its consts, its scanned slices).
+        self.raw: frozenset = frozenset()
+        self.loops: tuple = ()  # the loop records this tape runs inside, outermost first
+        self.steps: tuple = ()  # this run's step index in each of them (see ResidualInfo)
+        # residual key -> every (record, Saved) keeping it (ResidualInfo.readers)
+        self.readers: dict[Any, tuple] = {}
+        # record index -> a device_put's operands' placements, seen in forward (`_placed`)
+        self.sources: dict[int, tuple] = {}
+
+
+def _pack(res: Residuals, rec: Record, key, s, value, segment_input: bool = False):
+    readers = res.readers.get(key, ())
+    info = ResidualInfo(
+        rec,
+        s,
+        s.shape,
+        s.dtype,
+        key in res.input_ids,
+        res.loops,
+        res.steps,
+        readers,
+        segment_input,
+    )
+    # Backward's copy forgets the steps: inside a traced scan they are the forward
+    # body's tracers.
+    res.infos[key] = dataclasses.replace(info, steps=()) if res.steps else info
+    if info.is_input and not packs_inputs(res.policy):
+        return value  # the caller holds it: a packed copy would add memory and free none
+    if isinstance(value, compat.SCALARS):
+        return value  # a custom_vjp's Python residual (a bool flag): no array to move
+    try:
+        return res.policy.pack(value, info)
+    except Exception as e:
+        e.add_note(f"tapegrad: raised by {res.policy!r}.pack for residual {info}")
+        if isinstance(value, jax.core.Tracer):
+            e.add_note(
+                "tapegrad: under jax.jit, pack/unpack run once at trace time on tracers; "
+                "a pack that needs concrete data (np.asarray, .item()) cannot run there."
+            )
+        raise
+
+
+def _on_host(tree) -> bool:
+    """Whether a traced value (or any leaf of it) lives in host memory (an offload)."""
+    return any(
+        isinstance(x, jax.core.Tracer)
+        and getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+        for x in jax.tree.leaves(tree)
+    )
+
+
+def _unpack(res: Residuals, rec: Record, key, s, after=()):
+    packed = res.store[key]
+    if after and _on_host(packed):
+        # Under a trace the host -> device copy has no input computed in backward, so
+        # XLA hoists it (measured on an H100: every copy back ran at the start of
+        # backward, one after the other, and the device held them all at once). Tied
+        # to ``after`` (cotangents of the backward step that asks for it), the copy
+        # starts there and overlaps the records up to its reader.
+        packed = lax.optimization_barrier((packed, tuple(after)))[0]
+    if (
+        res.plain
+        or key in res.raw
+        or isinstance(packed, compat.SCALARS)  # kept as it was (`_pack`)
+        or (res.infos[key].is_input and not packs_inputs(res.policy))
+    ):
+        value = packed
+    else:
+        info = res.infos[key]
+        try:
+            value = res.policy.unpack(packed, info)
+        except Exception as e:
+            e.add_note(f"tapegrad: raised by {res.policy!r}.unpack for residual {info}")
+            raise
+        if (
+            tuple(getattr(value, "shape", ())) != s.shape
+            or as_dtype(getattr(value, "dtype", None)) != s.dtype
+        ):
+            raise ResidualError(
+                f"the residual policy's unpack returned "
+                f"{getattr(value, 'dtype', type(value).__name__)}"
+                f"{list(getattr(value, 'shape', []))}"
+                f" for {s} of {where(rec)}, which saved {s.dtype}{list(s.shape)}. "
+                "unpack must return an array of the shape and dtype that pack received."
+            )
+    if (
+        isinstance(value, jax.Array)
+        and not isinstance(value, jax.core.Tracer)
+        and value.is_deleted()
+    ):
+        raise ResidualError(
+            f"residual {s} of {where(rec)} was deleted (or donated to a jitted call) after it "
+            "was saved for backward. Keep the array alive until vjp_fn has run, or pass a "
+            "copy (e.g. jnp.copy(x)) to the call that donates or deletes it."
+        )
+    return value
+
+
+def _saved_values(rec: Record, saves, keys, get) -> tuple[list, list, list]:
+    x = [i.value if type(i) is Lit else None for i in rec.inputs]
+    y: list = [None] * len(rec.outputs)
+    aux: list = []
+    for s, key in zip(saves, keys):
+        v = get(rec, key, s)
+        if s.kind == "in":
+            x[s.index] = v
+        elif s.kind == "out":
+            y[s.index] = v
+        else:
+            aux.extend([None] * (s.index + 1 - len(aux)))
+            aux[s.index] = v
+    return x, y, aux
