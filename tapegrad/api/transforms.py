@@ -8,7 +8,6 @@ goes. Signatures follow jax's.
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,61 +18,19 @@ from jax import tree_util
 
 from tapegrad import passes as _passes
 from tapegrad.anomaly import detect as _anomaly
+from tapegrad.api.traced import (
+    Traced,
+    argnums_tuple,
+    is_array_leaf,
+    leaf_owners,
+)
 from tapegrad.core.residual_policy import is_plain, resolve_policy
 from tapegrad.core.tape import Tape
 from tapegrad.engine.checkpoint import plan_recompute
 from tapegrad.engine.fused import run_grad
 from tapegrad.engine.interpret import Residuals, backward, forward
-from tapegrad.engine.loops import kinds  # noqa: F401  (registers the scan and cond record kinds)
-from tapegrad.engine.trace import trace_flat
 
 __all__ = ["grad", "value_and_grad", "vjp", "trace"]
-
-
-def _is_array_leaf(x: Any) -> bool:
-    return (
-        isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex, bool))
-        or hasattr(x, "__jax_array__")
-        or isinstance(x, jax.core.Tracer)
-    )
-
-
-def _check_leaves(leaves, fun_name: str) -> None:
-    for x in leaves:
-        if not _is_array_leaf(x):
-            raise TypeError(
-                f"Argument {x!r} of type {type(x)} passed to {fun_name} is not a valid JAX type. "
-                "Pass arrays (or pytrees of arrays); mark other arguments static with "
-                "functools.partial or a closure."
-            )
-
-
-def _argnums_tuple(argnums: int | Sequence[int], n_args: int, fun_name: str) -> tuple[int, ...]:
-    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    if not nums:
-        raise ValueError(f"{fun_name}: argnums must not be empty.")
-    for a in nums:
-        if not isinstance(a, (int, np.integer)):
-            raise TypeError(f"{fun_name}: argnums must be ints, got {a!r}.")
-        if a >= n_args:  # TypeError, like jax: the caller passed too few arguments
-            raise TypeError(
-                f"{fun_name}: differentiating with respect to argnums={argnums} requires at "
-                f"least {a + 1} positional arguments to be passed by the caller, but got only "
-                f"{n_args}. Pass the differentiated arguments positionally (not by keyword), "
-                f"or use argnums within range(0, {n_args})."
-            )
-        if a < -n_args:
-            raise ValueError(
-                f"{fun_name}: argnums={argnums} is out of range for a function called with "
-                f"{n_args} positional argument(s). Pass argnums within range({-n_args}, "
-                f"{n_args})."
-            )
-    out = tuple(int(a) % n_args for a in nums)
-    if len(set(out)) != len(out):
-        raise ValueError(
-            f"{fun_name}: argnums={argnums} names an argument twice. Pass each argument index once."
-        )
-    return out
 
 
 def _dtype_of(x):
@@ -109,108 +66,6 @@ def _zero_cotangent(x):
     return _zero_cotangent_spec(x)()
 
 
-class _Traced:
-    """A traced function: its tape and how to map flat values back to pytrees."""
-
-    def __init__(
-        self,
-        fun: Callable,
-        args: tuple,
-        active_leaf: Callable[[int], bool],
-        has_aux: bool,
-        fun_name: str,
-        policy: Any = None,
-        passes: Any = None,
-        anomaly: Any = None,
-    ):
-        flat, in_tree = tree_util.tree_flatten(args)
-        _check_leaves(flat, fun_name)
-        self.in_tree = in_tree
-        self.flat = flat
-        trees: dict[str, Any] = {}
-
-        def flat_fun(*leaves):
-            out = fun(*tree_util.tree_unflatten(in_tree, leaves))
-            if has_aux:
-                if not (isinstance(out, (tuple, list)) and len(out) == 2):
-                    raise TypeError(
-                        f"{fun_name} with has_aux=True requires the function to return a pair "
-                        f"(output, aux), but it returned {type(out).__name__}"
-                        f"{_length_note(out)}."
-                    )
-                out, aux = out
-            else:
-                aux = None
-            out_flat, trees["out"] = tree_util.tree_flatten(out)
-            aux_flat, trees["aux"] = tree_util.tree_flatten(aux)
-            trees["n_out"] = len(out_flat)
-            # Like jax.vjp / jax.grad(has_aux=True), a leaf that is not traced (a Python
-            # int, a closed-over array) comes back as the very object the function returned,
-            # not as the typed literal or constant that make_jaxpr turns it into.
-            trees["untraced"] = {
-                k: x
-                for k, x in enumerate(out_flat + aux_flat)
-                if not isinstance(x, jax.core.Tracer)
-            }
-            return out_flat + aux_flat
-
-        # jax names the traced function in its errors (a leaked tracer, a value needed
-        # concretely): name the user's function, keep the flat signature for arg names.
-        flat_fun.__signature__ = inspect.signature(flat_fun)  # type: ignore[attr-defined]
-        flat_fun.__wrapped__ = _user_function(fun)  # type: ignore[attr-defined]
-        active = [active_leaf(i) for i in range(len(flat))]
-        with _anomaly.leak_check(anomaly, _user_function(fun)):
-            tape = trace_flat(
-                flat_fun,
-                flat,
-                active,
-                diff_outputs=lambda n: [True] * trees["n_out"] + [False] * (n - trees["n_out"]),
-                in_tree=in_tree,
-                out_tree_fn=lambda: trees["out"],
-                owner=_user_function(fun),
-            )
-        self.unplanned: Tape = _passes.run(_passes.check_rules(tape), passes)
-        self.policy = policy
-        self.out_tree = trees["out"]
-        self.aux_tree = trees["aux"]
-        self.n_out = trees["n_out"]
-        self.untraced = trees["untraced"]
-
-    @functools.cached_property
-    def tape(self) -> Tape:
-        """The tape planned for the policy: what is recomputed, and from which values."""
-        return _passes.check_effects(plan_recompute(self.unplanned, self.policy))
-
-    def restore(self, flat_out: list) -> list:
-        """The flat outputs, with untraced leaves replaced by the objects returned."""
-        if not self.untraced:
-            return flat_out
-        return [self.untraced.get(k, v) for k, v in enumerate(flat_out)]
-
-
-def _length_note(out: Any) -> str:
-    return f" of length {len(out)}" if isinstance(out, (tuple, list)) else ""
-
-
-def _user_function(fun: Callable) -> Callable:
-    """The function the user wrote, under partials and wrappers (for jax's error messages)."""
-    for _ in range(16):
-        if isinstance(fun, functools.partial):
-            fun = fun.func
-        elif getattr(fun, "__wrapped__", None) is not None:
-            fun = fun.__wrapped__  # type: ignore[attr-defined]
-        else:
-            break
-    return fun
-
-
-def _leaf_owners(args: tuple) -> list[int]:
-    owners = []
-    for i, a in enumerate(args):
-        owners += [i] * len(tree_util.tree_leaves(a))
-    return owners
-
-
 def vjp(
     fun: Callable,
     *primals: Any,
@@ -232,7 +87,7 @@ def vjp(
     pol = resolve_policy(policy)
     _anomaly.check_argument(anomaly)
     mode = _anomaly.resolve(anomaly)
-    t = _Traced(fun, primals, lambda i: True, has_aux, "vjp", pol, passes, mode)
+    t = Traced(fun, primals, lambda i: True, has_aux, "vjp", pol, passes, mode)
     obs = _anomaly.observer(mode, t.tape, t.in_tree)  # None when anomaly mode is off
     flat_out, res = forward(t.tape, t.flat, pol, observer=obs)
     if obs is not None:
@@ -295,7 +150,7 @@ tree_util.register_pytree_node(_SavedValues, _flatten_saved, _unflatten_saved)
 class _Pullback:
     """The static part of `vjp`'s ``vjp_fn``: the tape and how to check a cotangent."""
 
-    def __init__(self, t: _Traced, flat_out: list, obs: Any, retain: bool):
+    def __init__(self, t: Traced, flat_out: list, obs: Any, retain: bool):
         self.tape, self.n_out, self.obs, self.retain = t.tape, t.n_out, obs, retain
         self.in_tree, self.out_tree = t.in_tree, t.out_tree
         self.out_avals = [(np.shape(o), _dtype_of(o)) for o in flat_out]
@@ -372,10 +227,10 @@ def value_and_grad(
             f = functools.partial(fun, **kwargs)
         else:
             f = fun
-        nums = _argnums_tuple(argnums, len(args), "grad")
+        nums = argnums_tuple(argnums, len(args), "grad")
         for i in nums:
             for x in tree_util.tree_leaves(args[i]):
-                if _is_array_leaf(x):
+                if is_array_leaf(x):
                     _check_input_dtype(x, allow_int, holomorphic, "grad")
         pol = resolve_policy(policy)
         # Like jax.grad, only the differentiated arguments are traced; the others
@@ -390,7 +245,7 @@ def value_and_grad(
 
         f_dyn.__wrapped__ = f  # for the function name in jax's errors
         mode = _anomaly.resolve(anomaly)
-        t = _Traced(f_dyn, dyn, lambda i: True, has_aux, "grad", pol, passes, mode)
+        t = Traced(f_dyn, dyn, lambda i: True, has_aux, "grad", pol, passes, mode)
         # None when anomaly mode is off
         obs = _anomaly.observer(mode, t.tape if mode is not None else t.unplanned, t.in_tree)
         fused = None
@@ -441,7 +296,7 @@ def value_and_grad(
     return value_and_grad_f
 
 
-def _check_grad_output(t: _Traced, holomorphic: bool):
+def _check_grad_output(t: Traced, holomorphic: bool):
     """The output's dtype, after checking that it is a real (or, holomorphic, complex) scalar."""
     is_leaf = tree_util.treedef_is_leaf(t.out_tree)  # like jax, {"loss": x} is not a scalar
     shape = t.unplanned.outputs[0].shape if t.n_out == 1 else None
@@ -557,9 +412,9 @@ def trace(
 
     @functools.wraps(fun)
     def trace_f(*args):
-        owners = _leaf_owners(args)
-        nums = None if argnums is None else _argnums_tuple(argnums, len(args), "trace")
-        return _Traced(
+        owners = leaf_owners(args)
+        nums = None if argnums is None else argnums_tuple(argnums, len(args), "trace")
+        return Traced(
             fun,
             args,
             lambda i: nums is None or owners[i] in nums,

@@ -82,11 +82,6 @@ def hi_primitive_kind(params: dict) -> str | None:
     return type(prim).__name__
 
 
-def hi_primitive_name(params: dict) -> str | None:
-    prim = params.get("_prim")
-    return getattr(prim, "name", None)
-
-
 def eqn_params(name: str, params: Any) -> Any:
     """An equation's params as the tape keeps them. jax 0.11's scan groups its operands
     in a FlatTree (``ft_in``: consts, carries, xs) where jax 0.10 counted them; its
@@ -240,10 +235,6 @@ def new_jaxpr(constvars, invars, outvars, eqns, name: str) -> Jaxpr:
     """A jaxpr assembled from existing equations (which keep their variables)."""
     debug = jex_core.DebugInfo("tapegrad", name, None, None)
     return Jaxpr(constvars, invars, outvars, eqns, debug_info=debug)
-
-
-def is_drop_var(v: Any) -> bool:
-    return isinstance(v, jex_core.DropVar)
 
 
 SCALARS = (int, float, complex, np.generic)  # Python and numpy scalars (bool is an int)

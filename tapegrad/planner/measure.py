@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from tapegrad.api.transforms import _argnums_tuple, _leaf_owners, _Traced
+from tapegrad.api.traced import Traced, argnums_tuple, leaf_owners
 from tapegrad.core.residual_policy import resolve_policy
 from tapegrad.core.tape import Var
 from tapegrad.engine import interpret as _interpret
@@ -75,9 +75,9 @@ def measured_peak(
     """Peak device bytes of residuals (and what backward recomputes or unpacks) over an
     eager forward and backward of ``fun(*args)`` under ``policy``, on the first device."""
     pol = resolve_policy(policy)
-    nums = _argnums_tuple(argnums, len(args), "measured_peak")
-    owners = _leaf_owners(tuple(args))
-    t = _Traced(fun, tuple(args), lambda i: owners[i] in nums, False, "measured_peak", pol)
+    nums = argnums_tuple(argnums, len(args), "measured_peak")
+    owners = leaf_owners(tuple(args))
+    t = Traced(fun, tuple(args), lambda i: owners[i] in nums, False, "measured_peak", pol)
     dev = jax.devices()[0]
     gc.collect()
     before = {id(a) for a in jax.live_arrays()}

@@ -25,22 +25,6 @@ from tapegrad.policies.compress import Compress
 __all__ = ["Accounts", "account"]
 
 
-def _leaf_bytes(packed) -> tuple[int, int, list]:
-    """(device bytes, host bytes, dtypes) of the arrays inside a packed residual."""
-    dev = host = 0
-    dtypes = []
-    for leaf in tree_util.tree_leaves(packed):
-        if not hasattr(leaf, "nbytes") or not hasattr(leaf, "dtype"):
-            continue
-        kind = getattr(getattr(leaf, "sharding", None), "memory_kind", None) or "device"
-        if "host" in kind:
-            host += array_nbytes(leaf)
-        else:
-            dev += array_nbytes(leaf)
-        dtypes.append(as_dtype(leaf.dtype))
-    return dev, host, dtypes
-
-
 # Bytes of residuals, as a list: device, host, compressed on device, compressed on host
 # (both already in the first two), and what they would take unpacked.
 _Acc = list

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from jax import tree_util
 
-from tapegrad.api.transforms import _argnums_tuple
+from tapegrad.api.traced import argnums_tuple
 from tapegrad.core import jax_compat as compat
 from tapegrad.core.tape import array_nbytes, as_dtype
 from tapegrad.display.common import clip
@@ -397,7 +397,7 @@ def jax_residuals(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool
 
     @functools.wraps(fun)
     def residuals_f(*args):
-        nums = _argnums_tuple(argnums, len(args), "jax_residuals")
+        nums = argnums_tuple(argnums, len(args), "jax_residuals")
         out, vjp_fn, leaves = _vjp_leaves(fun, args, nums, has_aux)
         jax.eval_shape(vjp_fn, _cotangent(out))  # what jax cannot run backward raises here
         names = _arg_names(fun, args)

@@ -21,7 +21,7 @@ from typing import Any
 
 import jax
 
-from tapegrad.api.transforms import _argnums_tuple, _leaf_owners, _Traced
+from tapegrad.api.traced import Traced, argnums_tuple, leaf_owners
 from tapegrad.core.residual_policy import resolve_policy
 from tapegrad.core.tape import Tape
 from tapegrad.display.graph import report_graph
@@ -217,9 +217,9 @@ def memory_report(fun: Callable, argnums: int | Sequence[int] = 0, *, policy: An
     @functools.wraps(fun)
     def report_f(*args):
         pol = resolve_policy(policy)
-        nums = _argnums_tuple(argnums, len(args), "memory_report")
-        owners = _leaf_owners(args)
-        t = _Traced(fun, args, lambda i: owners[i] in nums, False, "memory_report", pol)
+        nums = argnums_tuple(argnums, len(args), "memory_report")
+        owners = leaf_owners(args)
+        t = Traced(fun, args, lambda i: owners[i] in nums, False, "memory_report", pol)
         _, res = forward(t.tape, t.flat, pol)
         jax.block_until_ready(_arrays(list(res.store.values())))
         rep = report_from_run(t.tape, res, pol, t.flat)

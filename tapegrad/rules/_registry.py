@@ -159,10 +159,6 @@ def deflinear(name: str, *per_input: Callable | None) -> Rule:
     return defvjp(name, *[("", fn) if fn is not None else None for fn in per_input])
 
 
-def zero_saves(*_):
-    return ()
-
-
 def keeping_operands(rec):
     """``rec`` keeping the inputs or outputs its rule can read instead of its derived
     values (bit-packed masks), or None when it keeps no derived values or its rule has

@@ -23,7 +23,6 @@ from __future__ import annotations
 from typing import Any
 
 from tapegrad.core.tape import Record, RecordKind, register_kind
-from tapegrad.engine.loops.common import _Stored
 from tapegrad.engine.loops.cond import _cond_backward, _cond_forward
 from tapegrad.engine.loops.saves import loop_residual_bytes
 from tapegrad.engine.loops.scan import _scan_backward, _scan_forward
@@ -35,26 +34,7 @@ from tapegrad.engine.loops.schedule import (
     revolve_forward,
 )
 
-__all__ = ["loop_forward", "loop_backward", "scan_forward", "scan_backward"]
-
-
-def loop_forward(rec: Record, ins: list, res, observer=None) -> tuple[list, _Stored]:
-    """Outputs of a loop/branch record and its per-step residuals, packed through
-    ``res.policy`` (``res`` is the enclosing tape's `Residuals`). An anomaly
-    ``observer`` receives the body's checks of every step as one block."""
-    if rec.primitive == "cond":
-        return _cond_forward(rec, ins, res, observer)
-    return _scan_forward(rec, ins, res, observer)
-
-
-def loop_backward(
-    rec: Record, x: list, stored: _Stored, gs: list, retain: bool, observer=None
-) -> list:
-    """Cotangents of a loop/branch record's inputs (None where none); ``x`` holds the
-    record's saved inputs (consts, scanned inputs, a cond's index and operands)."""
-    if rec.primitive == "cond":
-        return _cond_backward(rec, x, stored, gs, retain, observer)
-    return _scan_backward(rec, x, stored, gs, retain, observer)
+__all__ = ["scan_forward", "scan_backward"]
 
 
 def scan_forward(rec: Record, ins: list, res, observer=None, start: Any = 0) -> tuple[list, Any]:
