@@ -191,6 +191,25 @@ def bwd_checks_disabled() -> bool:
 _BWD_WITH_LOGS = hasattr(jax.custom_vjp, "defvjp_with_logs")
 
 
+def custom_vjp_forwarded_residuals(params: dict, active: list[bool]) -> list[int | None]:
+    """Per residual of a ``custom_vjp_call``'s fwd: the index of the call's operand it is
+    the very array of when run (jax's ``input_fwds``, or a fwd jaxpr output that is one
+    of its inputs), or None."""
+    num_consts = params["num_consts"]
+    fwd_jaxpr, _ = params["fwd_jaxpr_thunk"].call_wrapped(*active[num_consts:])
+    _, _, input_fwds = params["out_trees"]()
+    num_res_out = len(fwd_jaxpr.outvars) - len(params["call_jaxpr"].out_avals)
+    inner = iter(forwarded_outputs(fwd_jaxpr)[:num_res_out])
+    out: list[int | None] = []
+    for f in input_fwds:
+        if f is not None:
+            out.append(f)
+        else:
+            j = next(inner)
+            out.append(None if j is None else num_consts + j)
+    return out
+
+
 def custom_vjp_residual_avals(params: dict, active: list[bool]) -> tuple[list, Any]:
     num_consts = params["num_consts"]
     fwd_jaxpr, _ = params["fwd_jaxpr_thunk"].call_wrapped(*active[num_consts:])
@@ -229,6 +248,28 @@ def dce_jaxpr(jaxpr: Jaxpr, used_outputs: list[bool]) -> tuple[Jaxpr, list[bool]
 
     new, used = pe.dce_jaxpr(jaxpr, list(used_outputs), instantiate=False)
     return new, list(used)
+
+
+# Equations whose output is, when run, the very array an operand is: eagerly, binding
+# stop_gradient returns its operand, and a custom_jvp call runs its call_jaxpr, whose
+# forwarded outputs are its inputs (`jnp.asarray`'s identity rule); under jit XLA keeps
+# one buffer for both.
+def forwarded_outputs(jaxpr: Jaxpr) -> list[int | None]:
+    """Per output of ``jaxpr``: the index of the input it is the very array of when
+    run, or None."""
+    of: dict[Any, int] = {v: i for i, v in enumerate(jaxpr.invars)}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "stop_gradient":
+            fwd: list[int | None] = [0]
+        elif eqn.primitive.name == "custom_jvp_call":
+            fwd = forwarded_outputs(eqn.params["call_jaxpr"].jaxpr)
+        else:
+            continue
+        for out, i in zip(eqn.outvars, fwd):
+            src = eqn.invars[i] if i is not None else None
+            if isinstance(src, jex_core.Var) and src in of:
+                of[out] = of[src]
+    return [of.get(v) if isinstance(v, jex_core.Var) else None for v in jaxpr.outvars]
 
 
 def new_jaxpr(constvars, invars, outvars, eqns, name: str) -> Jaxpr:

@@ -350,7 +350,21 @@ class Segment:
     compiled: bool = False
 
 
+def _forwarded(rec: Record) -> list[int | None]:
+    """Per output of ``rec``: the input it is the very array of when run, or None."""
+    if rec.primitive == "stop_gradient":
+        return [0]
+    if rec.primitive == "custom_jvp_call" and rec.rule == "none":
+        return compat.forwarded_outputs(rec.params["call_jaxpr"].jaxpr)
+    if rec.primitive == "custom_jvp_rule":  # its primal part, split from the rule
+        primal = getattr(rec.params.get("rule"), "primal", None)
+        if primal is not None:
+            return compat.forwarded_outputs(primal.jaxpr)[: len(rec.outputs)]
+    return []
+
+
 _READERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CALLER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)
@@ -410,6 +424,30 @@ class Tape:
                 kept.setdefault(v.id, v)
                 recomputed.pop(v.id, None)  # kept as a segment input: never recomputed
         return kept, recomputed
+
+    def caller_ids(self) -> frozenset[Any]:
+        """Residual keys of the values that are the caller's own arrays when the tape
+        runs: its inputs and constants, outputs of records that hand one of them back as
+        it is (`jax_compat.forwarded_outputs`: `stop_gradient`, `jnp.asarray`), and a
+        custom_vjp's residuals that are its operands. Keeping one costs backward no
+        memory: the caller holds it anyway. Computed once per tape."""
+        got = _CALLER.get(self)
+        if got is None:
+            ids: set[Any] = {v.id for v in self.inputs} | {v.id for v, _ in self.consts}
+
+            def held(i: int | None, rec: Record) -> bool:
+                src = rec.inputs[i] if i is not None else None
+                return isinstance(src, Var) and src.id in ids
+
+            for rec in self.records:
+                ids.update(out.id for out, i in zip(rec.outputs, _forwarded(rec)) if held(i, rec))
+                if rec.primitive == "custom_vjp_call" and any(s.kind == "aux" for s in rec.saves):
+                    # A custom_vjp's fwd may return an operand as a residual (jax's
+                    # input_fwds): that aux value is the operand's array.
+                    fwds = compat.custom_vjp_forwarded_residuals(dict(rec.params), list(rec.active))
+                    ids.update(("aux", rec.index, k) for k, i in enumerate(fwds) if held(i, rec))
+            got = _CALLER[self] = frozenset(ids)
+        return got
 
     def readers(self) -> dict[Any, tuple[tuple[Record, Saved], ...]]:
         """Residual key -> every ``(record, Saved)`` keeping that value, in forward order

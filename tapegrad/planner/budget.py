@@ -214,7 +214,7 @@ class Budget:
                 "residuals": {
                     k: ("save", device_nbytes(v), 0.0)
                     for k, v in kept.items()
-                    if not (isinstance(k, int) and k in sc.index.free)
+                    if k not in sc.index.free
                 },
                 "timeline": tuple(
                     zip(tl.labels, joint.live_bytes(tl, tl.full, np.zeros_like(tl.full)).tolist())

@@ -52,7 +52,7 @@ def as_chain(tape: Tape) -> Chain | None:
     """The chain view of ``tape``, or None when the tape is not a chain."""
     if tape.regions or any(r.region is not None for r in tape.records) or not tape.records:
         return None
-    free = {v.id for v in tape.inputs} | {v.id for v, _ in tape.consts}
+    free = tape.caller_ids()
     prev = None
     for rec in tape.records:
         if len(rec.outputs) != 1:

@@ -87,7 +87,7 @@ def joint_chain(tape: Tape, prefetch: int) -> JointChain | None:
         return None
     if any(r.rule == "none" or r.bodies for r in tape.records):
         return None
-    free = {v.id for v in tape.inputs} | {v.id for v, _ in tape.consts}
+    free = tape.caller_ids()
     n = len(tape.records)
     aux: list[tuple] = []
     out_first, aux_first = [], []

@@ -290,7 +290,7 @@ def prefetch_depth(tape: Any, costs: CostModel | None = None) -> int:
     memo = _DEPTHS.setdefault(tape, {})
     if costs in memo:
         return memo[costs]
-    free = {v.id for v in tape.inputs} | {v.id for v, _ in tape.consts}
+    free = tape.caller_ids()
     order = [r for r in reversed(tape.records) if r.rule != "none"]
     compute = [2.0 * record_flops(r) / costs.flops_per_s for r in order]
     depth = 1

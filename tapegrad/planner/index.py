@@ -99,11 +99,11 @@ class TapeIndex:
                 for key in self.keys[i]:
                     uses[key] = uses.get(key, 0) + 1
         self.uses0 = uses
-        free = {v.id for v in tape.inputs} | {v.id for v, _ in tape.consts}
+        free = tape.caller_ids()
         self.free = free
         size: dict[Any, int] = {}
         for key, v in obj.items():
-            size[key] = 0 if (isinstance(key, int) and key in free) else v.nbytes
+            size[key] = 0 if key in free else v.nbytes
         for r in recs:
             for o in r.outputs:
                 size.setdefault(o.id, o.nbytes)
@@ -431,7 +431,7 @@ class TapeIndex:
     def _timeline(self, segs: Sequence[Segment], prefetch: int) -> Timeline:
         kept, seg_of = self.residual_keys(segs)
         free = self.free
-        keys = [k for k in kept if not (isinstance(k, int) and k in free)]
+        keys = [k for k in kept if k not in free]
         idx = {k: i for i, k in enumerate(keys)}
         nbytes = self.device_nbytes
         full = np.array([nbytes(k, kept[k]) for k in keys], dtype=np.int64)

@@ -74,9 +74,9 @@ def timeline(tape: Tape, prefetch: int = 0, memo: dict | None = None) -> Timelin
     (``tests/policies/test_planner_fast.py`` checks the two agree field by field) and
     serves callers that have a tape only."""
     memo = {} if memo is None else memo
-    free = {v.id for v in tape.inputs} | {v.id for v, _ in tape.consts}
+    free = tape.caller_ids()
     kept, seg_of = tape.residual_keys()
-    keys = [k for k in kept if not (isinstance(k, int) and k in free)]
+    keys = [k for k in kept if k not in free]
     idx = {k: i for i, k in enumerate(keys)}
     full = np.array([device_nbytes(kept[k]) for k in keys], dtype=np.int64)
     K = len(keys)

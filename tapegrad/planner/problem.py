@@ -63,9 +63,9 @@ def simulate(
     """`estimate`'s schedule: (peak, flops, bytes of each kept residual key); with
     ``trace``, also the largest live bytes while backward runs each record (by index)."""
     memo = {} if memo is None else memo
-    inputs = {v.id for v in tape.inputs} | {v.id for v, _ in tape.consts}
+    inputs = tape.caller_ids()
     kept, seg_of = tape.residual_keys()
-    size = {k: (0 if (isinstance(k, int) and k in inputs) else v.nbytes) for k, v in kept.items()}
+    size = {k: (0 if k in inputs else v.nbytes) for k, v in kept.items()}
     live = sum(size.values())  # forward only adds: the peak of forward is its end
     peak = live
     remaining = _uses(tape)

@@ -207,7 +207,7 @@ def _activation_bytes(sc: Scorer) -> tuple[list[int], list[int], dict[int, int],
     position after it; plus producer and last use of each value."""
     tape = sc.tape
     n = sc.n
-    inputs = {v.id for v in tape.inputs} | {v.id for v, _ in tape.consts}
+    inputs = tape.caller_ids()
     kept0, _ = sc.planned(sc.with_fixed(["save"] * n)).residual_keys()
     producer = {o.id: r.index for r in tape.records for o in r.outputs}
     nbytes = {o.id: o.nbytes for r in tape.records for o in r.outputs}

@@ -36,7 +36,7 @@ def stage_bounds(sc: Any, max_stages: int = 32) -> list[tuple[int, int]] | None:
     # The program simulates every run of stages once: O(stages^2 * records). Keep it
     # to about a second (32 stages of a 130-record tape, 17 of a 450-record one).
     max_stages = min(max_stages, max(8, math.isqrt(133_000 // max(n, 1))))
-    free = {v.id for v in tape.inputs} | {v.id for v, _ in tape.consts}
+    free = tape.caller_ids()
     producer = {o.id: r.index for r in tape.records for o in r.outputs}
     last: dict[int, int] = {}
     for r in tape.records:

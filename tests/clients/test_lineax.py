@@ -46,12 +46,7 @@ def case(name: str) -> Case:
     return CASES[name]()
 
 
-XFAIL = {
-    (
-        "cg",
-        "budget",
-    ): "budget: the planner's least peak exceeds the peak save() itself reaches (memory_report)"
-}
+XFAIL: dict = {}
 SLOW = {("lu", "budget"), ("cholesky", "budget")}
 
 
