@@ -174,12 +174,25 @@ window.addEventListener('load', function () {
   out.graphWidth = box.width.toFixed(0);
   out.graphHeight = box.height.toFixed(0);
   out.bodies = document.querySelectorAll('div.tg-graph details').length;
+  var worst = 0;  // how far any label's text runs past its box
+  svg.querySelectorAll('g.node').forEach(function (g) {
+    var b = g.querySelector('rect,path,polygon').getBBox();
+    g.querySelectorAll('text').forEach(function (t) {
+      var r = t.getBBox();
+      worst = Math.max(worst, b.x - r.x, r.x + r.width - b.x - b.width);
+    });
+  });
+  out.textOverflow = worst.toFixed(1);
 });
 </script>"""
 
 
-def test_chromium_draws_the_tape_graph(tmp_path):
-    """A 300-record tape's graph (folded) and a scan body under <details>, in a browser."""
+@pytest.mark.parametrize("engine", ["dot", "python"])
+def test_chromium_draws_the_tape_graph(tmp_path, engine):
+    """A 300-record tape's graph (folded) and a scan body under <details>, in a browser,
+    laid out by Graphviz and by the Python back end."""
+    if engine == "dot" and shutil.which("dot") is None:
+        pytest.fail("Graphviz's dot is needed to draw tapes: apt-get install -y graphviz")
 
     def deep(ws, x):
         for w in ws:
@@ -194,7 +207,7 @@ def test_chromium_draws_the_tape_graph(tmp_path):
     ws = [jnp.eye(8) * 0.1] * 80
     tape = tg.trace(deep)(ws, jnp.ones((4, 8)))
     assert len(tape.records) > 300
-    g = tape.graph(bodies=False)
+    g = tape.graph(bodies=False, engine=engine)
     path = tmp_path / "graph.html"
     path.write_text(
         '<!doctype html><html><head><meta charset="utf-8"></head><body>'
@@ -208,5 +221,6 @@ def test_chromium_draws_the_tape_graph(tmp_path):
     assert int(b["data-graph-edges"]) > g.nodes // 2
     assert int(b["data-bodies"]) == 1
     assert int(b["data-graph-width"]) > 200 and int(b["data-graph-height"]) > 400, b
+    assert float(b["data-text-overflow"]) <= (1 if engine == "python" else 4), b
     ink = screenshot_ink(path, tmp_path / "p2", tmp_path / "graph.png", "1000,1400")
     assert 0.005 < ink < 0.6, ink

@@ -500,9 +500,10 @@ class Tape:
     def graph(self, **kwargs: Any) -> Any:
         """The tape drawn as a graph (`tapegrad.display.graph.TapeGraph`): records as boxes with
         their source lines, values as edges, each kept value's bytes and decision;
-        ``.svg()`` draws it with Graphviz, and it renders in Jupyter. ``bodies``: loop
-        bodies inside their box (True), apart (False) or when they fit (None);
-        ``max_nodes``: boxes to fold down to."""
+        ``.svg()`` draws it, and it renders in Jupyter. ``bodies``: loop bodies inside
+        their box (True), apart (False) or when they fit (None); ``max_nodes``: boxes to
+        fold down to; ``engine``: who lays it out, ``"dot"`` (Graphviz), ``"python"``
+        (nothing to install) or ``"auto"`` (Graphviz when its ``dot`` is on PATH)."""
         fn = _PRINTERS.get("graph")
         if fn is None:
             raise RuntimeError(

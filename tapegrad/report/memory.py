@@ -162,7 +162,7 @@ class MemoryReport:
 
     def graph(self, **kwargs: Any) -> Any:
         """The tape drawn with this report's decisions and bytes per record (`TapeGraph`;
-        ``bodies`` and ``max_nodes`` as `Tape.graph`)."""
+        ``bodies``, ``max_nodes`` and ``engine`` as `Tape.graph`)."""
         return report_graph(self, **kwargs)
 
     def plot(self, ax: Any = None, *, label: str | None = None, by_kind: bool = True) -> Any:
