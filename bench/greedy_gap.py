@@ -33,9 +33,9 @@ from tapegrad.planner import (  # noqa: E402
     Budget,
     BudgetError,
     estimate,
-    ilp,  # noqa: E402
     joint,  # noqa: E402
 )
+from tapegrad.planner.ilp import mechanisms as ilp  # noqa: E402
 from tapegrad.planner.joint import _fewest_bytes, live_bytes  # noqa: E402
 from tapegrad.planner.scorer import Scorer  # noqa: E402
 

@@ -1,5 +1,5 @@
 """The joint planner (`budget(allow=("save", "recompute", "offload", "compress"))`)
-against the joint ILP's lower bound (`planner.ilp_joint`), in one run:
+against the joint ILP's lower bound (`planner.ilp.joint`), in one run:
 
     python bench/ilp_bench.py [--quick] [--limit SECONDS]
 
@@ -46,11 +46,11 @@ from tapegrad.planner import (  # noqa: E402
     Budget,
     BudgetError,
     estimate,
-    ilp,  # noqa: E402
     joint,  # noqa: E402
 )
 from tapegrad.planner.cost import CostModel  # noqa: E402
 from tapegrad.planner.ilp import joint as J  # noqa: E402
+from tapegrad.planner.ilp import mechanisms as ilp  # noqa: E402
 from tapegrad.planner.index import TapeIndex  # noqa: E402
 from tapegrad.planner.scorer import Scorer  # noqa: E402
 from tests.policies.test_planner_ilp_joint import (  # noqa: E402

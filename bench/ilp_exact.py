@@ -1,11 +1,11 @@
-"""The true optimum of the joint plan on DAGs (`planner.ilp_joint.optimum`: the joint
+"""The true optimum of the joint plan on DAGs (`planner.ilp.joint.optimum`: the joint
 ILP's relaxation cut down to the executor's plans by no-good cuts), and `Budget`'s gap
 to it:
 
     python bench/ilp_exact.py [--cells quick|all] [--records 69,90] [--seconds S] [--budgets N]
                               [--pick 4]
 
-`planner.ilp_joint`'s model is a relaxation: its optimum is below every executor plan
+`planner.ilp.joint`'s model is a relaxation: its optimum is below every executor plan
 within the budget, but its decisions may not fit the budget under the executor's
 schedule (`planner.joint.timeline` counts bytes the model does not). A gap to that
 bound mixes the planner's loss with the relaxation's. `optimum` separates them: it

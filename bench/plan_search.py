@@ -3,9 +3,9 @@
     python bench/plan_search.py [--cells gap|all] [--seconds S] [--lower S] [--seed N]
 
 `bench/ilp_exact.py` puts `Budget`'s plan against the proved lower bound of
-`planner.ilp_joint.optimum`; where the two are far apart the gap is the planner's
+`planner.ilp.joint.optimum`; where the two are far apart the gap is the planner's
 (faster plans exist) or the bound's (the relaxation is loose). This looks for faster
-plans with a heavy search, every plan scored as `planner.ilp_joint.plan_seconds`
+plans with a heavy search, every plan scored as `planner.ilp.joint.plan_seconds`
 scores it (the executor's timeline, exact per-residual mechanisms by HiGHS), at
 `Budget`'s prefetch depth (min with 1, as ilp_exact compares):
 
@@ -43,10 +43,10 @@ from tapegrad.planner import (  # noqa: E402
     Budget,
     BudgetError,
     estimate,
-    ilp,  # noqa: E402
     joint,  # noqa: E402
 )
 from tapegrad.planner.ilp import joint as J  # noqa: E402
+from tapegrad.planner.ilp import mechanisms as ilp  # noqa: E402
 from tapegrad.planner.index import TapeIndex  # noqa: E402
 
 # (family, records, budget as % of save()'s peak) from RESULTS.md Session 12

@@ -38,10 +38,10 @@ import tapegrad as tg  # noqa: E402
 from tapegrad.planner import (  # noqa: E402
     Budget,
     estimate,
-    ilp,  # noqa: E402
     joint,  # noqa: E402
 )
 from tapegrad.planner.cost import CostModel  # noqa: E402
+from tapegrad.planner.ilp import mechanisms as ilp  # noqa: E402
 from tapegrad.planner.measure import measured_peak  # noqa: E402
 from tapegrad.planner.scorer import Scorer  # noqa: E402
 

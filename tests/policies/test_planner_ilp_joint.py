@@ -1,4 +1,4 @@
-"""The joint ILP (`planner.ilp_joint`): its model is a relaxation of the executor's
+"""The joint ILP (`planner.ilp.joint`): its model is a relaxation of the executor's
 schedule (every plan the executor runs satisfies its rows at the same cost and no more
 bytes: checked on random plans, always); with highspy (not installed in CI), its bound
 is at most the brute-force optimum on tiny tapes, its decoded plans' gradients equal
@@ -219,7 +219,7 @@ def _checked_plans(model, tape, mechs, seed):
 
 @pytest.mark.parametrize("name", ["unet", "dag", "block"])
 def test_early_copies_held_inputs_and_support_rows_hold_at_executor_plans_and_bind(name):
-    """The rows that tighten the bound (`planner.ilp_joint_model`: early copies ``g``,
+    """The rows that tighten the bound (`planner.ilp.joint_model`: early copies ``g``,
     held inputs ``h`` in the run rows' base, support rows) on random executor plans of
     a U-Net, a random DAG and transformer blocks: every row holds at the plan's columns
     (`Model.at_plan`) and its bytes stay below the executor's at each point and run;
@@ -275,7 +275,7 @@ def test_early_runs_hold_at_executor_plans_and_bind(name):
 
 @pytest.mark.parametrize("name", ["unet", "dag", "block"])
 def test_segment_members_in_run_rows_hold_at_executor_plans_and_bind(name):
-    """The run rows' member terms (`planner.ilp_joint_model`: values of earlier members
+    """The run rows' member terms (`planner.ilp.joint_model`: values of earlier members
     of a segment held at a record's step, ``s[a, q]``) on random executor plans: every
     row holds at the plan's columns (``s`` = one segment) and the bytes stay below the
     executor's at each point and run; some run rows count more with them than with
@@ -299,7 +299,7 @@ def test_segment_members_in_run_rows_hold_at_executor_plans_and_bind(name):
 
 @pytest.mark.parametrize("name", ["unet", "dag", "block"])
 def test_member_inputs_in_run_rows_hold_at_executor_plans_and_bind(name, monkeypatch):
-    """The run rows' member inputs (`planner.ilp_joint_model`: a neighbour's kept inputs,
+    """The run rows' member inputs (`planner.ilp.joint_model`: a neighbour's kept inputs,
     segment inputs held through the run, ``INPUT_DEPTH``) on random executor plans:
     every row holds at the plan's columns and the bytes stay below the executor's at
     each point and run; at some runs they count more than every row without them."""
@@ -404,7 +404,7 @@ def test_member_prefixes_and_pruning_raise_the_bound_on_unets(monkeypatch):
 @pytest.mark.parametrize("name", ["unet", "dag", "block"])
 def test_held_copies_hold_at_executor_plans_and_bind(name):
     """The bound's ``h`` counts a kept residual's copy with its stored bytes
-    (`planner.ilp_joint_model`: made at its first use, held until a re-run reader's
+    (`planner.ilp.joint_model`: made at its first use, held until a re-run reader's
     segment runs): on random executor plans every row holds and the bytes stay below
     the executor's; on the DAG some ``h`` count more than the stored bytes alone (the
     plain model's, ``early_runs=False``)."""
