@@ -5,6 +5,13 @@ forward and ``policy.unpack(packed, info)`` in backward. The default,
 `save()`, keeps the array as it is, and the interpreter skips the calls
 entirely for it, so the default costs nothing.
 
+Beside pack/unpack a policy may declare the optional members of `MEMBERS`
+(docs/howto/custom_policy.md). This module is their one reader: the engine,
+the report and the planner ask `capabilities(policy)`, `is_plain`, `is_exact`,
+`keeps_exact`, `packs_inputs` and `resolve_prefetch`, never the policy itself,
+and `check_policy` rejects a member of the wrong kind (or a near-miss name)
+where the policy is given, naming the policy and the member.
+
 The active policy lives in a `contextvars.ContextVar`: scopes are per thread
 and per async task, and leaving a scope restores the previous policy even
 when the body raises.
@@ -14,6 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import difflib
+import functools
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -34,6 +44,12 @@ __all__ = [
     "disable_saved_tensors_hooks",
     "packs_inputs",
     "keeps_exact",
+    "MEMBERS",
+    "Capabilities",
+    "capabilities",
+    "check_policy",
+    "declared",
+    "wrapped",
 ]
 
 
@@ -122,6 +138,145 @@ class ResidualPolicy(Protocol):
     def unpack(self, packed: Any, info: ResidualInfo) -> Any: ...
 
 
+# The protocol's optional members: what a policy may say beside pack/unpack, and the
+# kind of value each must be. docs/howto/custom_policy.md documents each one.
+MEMBERS: dict[str, str] = {
+    "exact": "bool",  # unpack(pack(x)) is x bit for bit (save, offload)
+    "keeps_exact": "callable",  # (info) -> bool: this residual comes back unchanged
+    "inputs": "bool",  # pack the function's own inputs too (default: never given them)
+    "packs": "bool",  # a wrapper (with `base`) that moves or shrinks some values itself
+    "base": "policy",  # the policy a wrapper hands residuals to
+    "prefetch": "prefetch",  # records ahead backward unpacks: an int >= 0, or "auto"
+    "costs": "any",  # the cost model prefetch="auto" reads
+    "choose": "callable",  # (record) -> CheckpointPolicy: save or recompute, and how firmly
+    "decide": "callable",  # (record) -> "save" | "recompute"
+    "plan": "callable",  # (tape, fixed[, rebuilt]) -> one "save"/"recompute" per record
+    "loop_segment": "callable",  # (scan record) -> segment length, or a LoopPlan
+    "loop_schedule": "callable",  # (scan record) -> segment lengths, outermost first
+    "loop_snapshots": "callable",  # (scan record) -> snapshots of a binomial schedule
+}
+_MISSING = object()
+
+
+def declared(policy: Any, name: str, default: Any = None) -> Any:
+    """``policy``'s own value of the protocol member ``name``, or ``default`` when it
+    declares none. The one place the package reads a policy's optional members."""
+    if name not in MEMBERS:
+        raise KeyError(f"{name!r} is not a member of the residual-policy protocol")
+    got = getattr(policy, name, _MISSING)
+    return default if got is _MISSING or got is None else got
+
+
+def wrapped(policy: Any) -> Iterator[Any]:
+    """``policy``, the policy it wraps (its ``base``), that one's base, ..."""
+    for _ in range(16):
+        if policy is None:
+            return
+        yield policy
+        policy = declared(policy, "base")
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What one policy says beside pack/unpack, read once (`capabilities`).
+
+    ``base``: the policy it wraps, or None; the per-record and per-loop members are
+    None where the policy declares none (a planner's ``choose`` is its base's).
+    ``prefetch`` is not kept: a budget sets it as it plans (`resolve_prefetch`)."""
+
+    policy: Any
+    base: Any
+    choose: Callable | None
+    decide: Callable | None
+    plan: Callable | None
+    loop_segment: Callable | None
+    loop_schedule: Callable | None
+    loop_snapshots: Callable | None
+    costs: Any
+
+    @property
+    def planner_choose(self) -> Callable | None:
+        """The per-record hints a planner (``plan``) takes: its base's ``choose``."""
+        return declared(self.base, "choose") if self.base is not None else None
+
+
+def capabilities(policy: Any) -> Capabilities:
+    """The optional members ``policy`` declares, in one object."""
+    get = functools.partial(declared, policy)
+    return Capabilities(
+        policy,
+        get("base"),
+        get("choose"),
+        get("decide"),
+        get("plan"),
+        get("loop_segment"),
+        get("loop_schedule"),
+        get("loop_snapshots"),
+        get("costs"),
+    )
+
+
+def _kind_ok(kind: str, value: Any) -> bool:
+    if kind == "bool":
+        return isinstance(value, (bool, np.bool_))
+    if kind == "callable":
+        return callable(value)
+    if kind == "prefetch":
+        return bool(
+            value == "auto"
+            or (isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 0)
+        )
+    return True
+
+
+def check_policy(policy: Any) -> None:
+    """Raise a `TypeError` naming ``policy`` and the member when a policy (or one it
+    wraps) lacks a callable ``pack``/``unpack``, declares a member of the wrong kind, or
+    a name one letter or two from a member's (``keep_exact`` for ``keeps_exact``), which
+    would otherwise be ignored and give a plan or a gradient the user did not ask for."""
+    for p in wrapped(policy):
+        if p is SAVE:
+            return
+        for name in ("pack", "unpack"):
+            if not callable(getattr(p, name, None)):
+                raise TypeError(
+                    f"residual policy {p!r} has no callable {name}(): a policy implements "
+                    "pack(value, info) and unpack(packed, info) (docs/howto/custom_policy.md)."
+                )
+        for name, kind in MEMBERS.items():
+            value = declared(p, name)
+            if value is not None and not _kind_ok(kind, value):
+                want = {"prefetch": 'an int >= 0 or "auto"', "policy": "a policy"}.get(kind, kind)
+                raise TypeError(
+                    f"residual policy {p!r} declares {name}={value!r}; the protocol's {name} "
+                    f"is {want} (docs/howto/custom_policy.md)."
+                )
+        own = set(getattr(p, "__dict__", {})) | {n for c in type(p).__mro__ for n in vars(c)}
+        for name in sorted(n for n in own if not n.startswith("_") and n not in MEMBERS):
+            near = difflib.get_close_matches(name, MEMBERS, n=1, cutoff=0.9)
+            if near:
+                raise TypeError(
+                    f"residual policy {p!r} declares {name!r}, which is not a member of the "
+                    f"residual-policy protocol: did you mean {near[0]!r}? "
+                    "(docs/howto/custom_policy.md lists the members)"
+                )
+
+
+def check_plan(policy: Any, tape: Any, got: Any) -> list[str]:
+    """A planner's decisions, checked: one "save" or "recompute" per record of ``tape``."""
+    out = list(got) if isinstance(got, (list, tuple)) else None
+    if (
+        out is None
+        or len(out) != len(tape.records)
+        or any(d not in ("save", "recompute") for d in out)
+    ):
+        raise TypeError(
+            f"residual policy {policy!r}: plan() must return one 'save' or 'recompute' per "
+            f"record ({len(tape.records)} here), got {got!r:.200}."
+        )
+    return out
+
+
 class Save:
     """Keep residuals on device as they are: no copy, no extra op."""
 
@@ -143,10 +298,10 @@ SAVE = Save()
 def is_plain(policy: Any) -> bool:
     """True when residuals end up saved as they are: `save()`, or a wrapper (selective,
     budget) whose ``base`` is `save()`. The interpreter then skips pack/unpack."""
-    while policy is not SAVE and hasattr(policy, "base"):
-        if getattr(policy, "packs", False):  # a wrapper that moves or shrinks some itself
+    while policy is not SAVE and declared(policy, "base") is not None:
+        if declared(policy, "packs", False):  # a wrapper that moves or shrinks some itself
             return False
-        policy = policy.base
+        policy = declared(policy, "base")
     return policy is SAVE
 
 
@@ -161,11 +316,11 @@ def is_exact(policy: Any) -> bool:
     if policy is None:
         return True
     while True:
-        exact = getattr(policy, "exact", None)
+        exact = declared(policy, "exact")
         if exact is not None:
             return bool(exact)
-        if hasattr(policy, "base") and not getattr(policy, "packs", False):
-            policy = policy.base
+        if declared(policy, "base") is not None and not declared(policy, "packs", False):
+            policy = declared(policy, "base")
             continue
         return False
 
@@ -184,12 +339,12 @@ def keeps_exact(policy: Any, info: ResidualInfo) -> bool:
     if info.is_input and not packs_inputs(policy):
         return True
     for _ in range(8):  # wrappers that pack nothing themselves answer with their base
-        own = getattr(policy, "keeps_exact", None)
+        own = declared(policy, "keeps_exact")
         if own is not None:
             return bool(own(info))
-        if not hasattr(policy, "base") or getattr(policy, "packs", False):
+        if declared(policy, "base") is None or declared(policy, "packs", False):
             return False
-        policy = policy.base
+        policy = declared(policy, "base")
     return False
 
 
@@ -206,13 +361,10 @@ def packs_inputs(policy: Any) -> bool:
     policy without the attribute is never given an input (``info.is_input`` is False
     for everything it packs).
     """
-    for _ in range(8):  # wrappers keep the policy they wrap in ``base``
-        flag = getattr(policy, "inputs", None)
+    for p in wrapped(policy):  # wrappers keep the policy they wrap in ``base``
+        flag = declared(p, "inputs")
         if flag is not None:
             return bool(flag)
-        policy = getattr(policy, "base", None)
-        if policy is None:
-            break
     return False
 
 
@@ -241,9 +393,28 @@ def current_policy() -> Any:
     return SAVE if p is None else p
 
 
+# Policies already checked, by id, each with a weak reference that tells a later object
+# at the same address apart (a policy that cannot be weakly referenced is checked each
+# time: a few attribute reads).
+_CHECKED: dict[int, Any] = {}
+
+
 def resolve_policy(explicit: Any) -> Any:
-    """An explicit ``policy=`` wins over the enclosing context."""
-    return explicit if explicit is not None else current_policy()
+    """The policy a transform runs with, checked (`check_policy`): an explicit
+    ``policy=`` wins over the enclosing context."""
+    policy = explicit if explicit is not None else current_policy()
+    if policy is SAVE:
+        return policy
+    ref = _CHECKED.get(id(policy))
+    if ref is None or ref() is not policy:
+        check_policy(policy)
+        try:
+            if len(_CHECKED) > 256:
+                _CHECKED.clear()
+            _CHECKED[id(policy)] = weakref.ref(policy)
+        except TypeError:
+            pass
+    return policy
 
 
 def _check_not_disabled() -> None:
@@ -296,9 +467,9 @@ def register_auto_prefetch(fn: Callable[[Any, Any], int]) -> None:
 def resolve_prefetch(policy: Any, tape: Any) -> int:
     """A policy's ``prefetch`` on ``tape``: an int as it is, ``"auto"`` from the cost
     model (`prefetch_depth` with the policy's ``costs``, else the backend's)."""
-    p = getattr(policy, "prefetch", 0)
+    p = declared(policy, "prefetch", 0)
     if p == "auto":
         if not _AUTO_PREFETCH:
             raise RuntimeError("prefetch='auto' needs tapegrad's cost model; import tapegrad")
-        return _AUTO_PREFETCH[0](tape, getattr(policy, "costs", None))
+        return _AUTO_PREFETCH[0](tape, declared(policy, "costs"))
     return int(p or 0)

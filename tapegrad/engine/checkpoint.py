@@ -26,7 +26,14 @@ import jax
 import numpy as np
 
 from tapegrad.core import jax_compat as compat
-from tapegrad.core.residual_policy import SAVE, is_exact, keeps_exact
+from tapegrad.core.residual_policy import (
+    SAVE,
+    capabilities,
+    check_plan,
+    declared,
+    is_exact,
+    keeps_exact,
+)
 from tapegrad.core.tape import Record, Segment, Tape, Var
 from tapegrad.engine.loops.saves import outer_saves
 from tapegrad.engine.rebuild import RANDOM, rebuilt_records, shared_in_body, switched
@@ -83,7 +90,7 @@ class Selective:
 
     @property
     def prefetch(self) -> int | str:
-        return getattr(self.base, "prefetch", 0)  # read now: a budget sets it as it plans
+        return declared(self.base, "prefetch", 0)  # read now: a budget sets it as it plans
 
     def choose(self, record: Record) -> CheckpointPolicy:
         return _as_policy(self.fn(record))
@@ -208,9 +215,10 @@ def _plan_bodies(tape: Tape, policy: Any) -> Tape:
     if not any(r.bodies for r in tape.records):
         return tape
     kept_exact = _kept_exact(policy)  # masks read off values the body keeps anyway
-    segment = getattr(policy, "loop_segment", None)  # an int, or a `LoopPlan`
-    schedule = getattr(policy, "loop_schedule", None)  # nested: segment lengths by level
-    revolve = getattr(policy, "loop_snapshots", None)  # binomial: snapshots held
+    caps = capabilities(policy)
+    segment = caps.loop_segment  # an int, or a `LoopPlan`
+    schedule = caps.loop_schedule  # nested: segment lengths by level
+    revolve = caps.loop_snapshots  # binomial: snapshots held
     records = []
     for rec in tape.records:
         if rec.bodies and rec.rule != "none":
@@ -263,9 +271,10 @@ def _decide(
     whose masks' operands are rebuilt keep those operands instead (`rebuilt_records`),
     which the planner must see to count what is kept."""
     regions = {r.id: r for r in tape.regions}
-    plan = getattr(policy, "plan", None)
+    caps = capabilities(policy)
+    plan = caps.plan
     if plan is not None and not whole:
-        choose = getattr(getattr(policy, "base", None), "choose", None)
+        choose = caps.planner_choose
         out = []
         for rec in tape.records:
             if rec.region is not None:
@@ -274,9 +283,8 @@ def _decide(
                 c = choose(rec) if choose is not None else None
                 out.append("recompute" if c is P.NEVER else "save")
         return out, set(), tape
-    base = getattr(policy, "base", None) if plan is not None else policy
-    choose = getattr(base, "choose", None)
-    decide = getattr(policy, "decide", None)
+    choose = caps.planner_choose if plan is not None else caps.choose
+    decide = caps.decide
     fixed: list[str | None] = []
     open_: list[bool] = []  # a default or a preference, which a free rebuild may override
     for rec in tape.records:
@@ -318,7 +326,8 @@ def _decide(
         # keeping the one rebuilt value can beat keeping the operands it is rebuilt from.
         # Its cost model groups every recomputed record into segments as any other
         # (`build_segments` without copies): no rebuilt set, or it would mispredict.
-        return (plan(tape, fixed, rebuilt) if rebuilt else plan(tape, fixed)), set(), tape
+        got = plan(tape, fixed, rebuilt) if rebuilt else plan(tape, fixed)
+        return check_plan(policy, tape, got), set(), tape
     return [f if f is not None else "save" for f in fixed], rebuilt, tape
 
 

@@ -51,9 +51,9 @@ __all__ = [
 Pass = Callable[[Tape], Tape]
 
 
-def _name(p) -> str:
-    fn = getattr(p, "func", p)  # functools.partial
-    return getattr(fn, "__qualname__", getattr(fn, "__name__", repr(p)))
+def _name(pass_) -> str:
+    fn = getattr(pass_, "func", pass_)  # functools.partial
+    return getattr(fn, "__qualname__", getattr(fn, "__name__", repr(pass_)))
 
 
 def run(tape: Tape, passes: Sequence[Pass] | None) -> Tape:

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tapegrad.core.residual_policy import SAVE, is_exact, resolve_prefetch
+from tapegrad.core.residual_policy import SAVE, declared, is_exact, resolve_prefetch
 from tapegrad.core.tape import Record, Tape
 from tapegrad.engine.checkpoint import CheckpointPolicy as P
 from tapegrad.planner import candidates as C
@@ -100,7 +100,7 @@ class Budget:
         copies would not fit the budget)."""
         if "offload" in self.mechanisms:
             return int(self.last.get("prefetch", 1))
-        return getattr(self.base, "prefetch", 0)
+        return declared(self.base, "prefetch", 0)
 
     def _mechanism(self, name: str) -> Any:
         impl = self._impl.get(name)
@@ -161,7 +161,7 @@ class Budget:
         ``self.last`` says what was chosen: peak bytes, flops, the winning family.
         """
         fixed = _keep_effects(tape, fixed)
-        choose = getattr(self.base, "choose", None)
+        choose = declared(self.base, "choose")
 
         def hint(r: Record) -> Any:
             if r.index in rebuilt:

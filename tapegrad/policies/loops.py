@@ -23,7 +23,7 @@ import dataclasses
 import math
 from typing import Any
 
-from tapegrad.core.residual_policy import SAVE
+from tapegrad.core.residual_policy import SAVE, declared
 from tapegrad.engine.loops.revolve import revolve_reruns
 from tapegrad.engine.loops.saves import loop_bytes, schedule_costs
 
@@ -97,7 +97,7 @@ class ScanCheckpoint:
 
     @property
     def prefetch(self) -> int | str:
-        return getattr(self.base, "prefetch", 0)  # read now: a budget sets it as it plans
+        return declared(self.base, "prefetch", 0)  # read now: a budget sets it as it plans
 
     def loop_schedule(self, rec: Any) -> tuple[int, ...]:
         """Segment lengths for a scan record, outermost first (() keeps every step)."""
@@ -139,7 +139,9 @@ class ScanCheckpoint:
     def __getattr__(self, name: str) -> Any:
         # selective decisions (decide/choose/plan) of a wrapped policy still apply
         if name in ("decide", "choose", "plan"):
-            return getattr(self.base, name)
+            got = declared(self.base, name)
+            if got is not None:
+                return got
         raise AttributeError(name)
 
     def __repr__(self) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 from jax import tree_util
 
+from tapegrad.core.residual_policy import wrapped
 from tapegrad.core.tape import Record, Tape, array_nbytes, as_dtype
 from tapegrad.engine.loops.common import _Stored
 from tapegrad.engine.loops.saves import forwarded_ids
@@ -201,10 +202,9 @@ def _arrays(x) -> list:
 
 def _auto_of(policy: Any) -> Any:
     """The `compress(bits="auto")` policy packing the residuals (it or one it wraps)."""
-    for _ in range(8):
-        if isinstance(policy, Compress):
-            return policy if policy.bits == "auto" else None
-        policy = getattr(policy, "base", None)
+    for p in wrapped(policy):
+        if isinstance(p, Compress):
+            return p if p.bits == "auto" else None
     return None
 
 

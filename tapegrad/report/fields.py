@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tapegrad.core.residual_policy import wrapped
 from tapegrad.core.tape import Tape, custom_vjp_name
 from tapegrad.engine.loops.saves import forwarded_ids
 from tapegrad.planner import Budget, segment_flops
@@ -207,11 +208,7 @@ def _with_decisions(row: RecordMemory, keys: Any, decisions: dict) -> RecordMemo
 
 def _planner_of(policy: Any) -> Any:
     """The `tg.policies.budget` policy that planned the tape (it or one it wraps), or None."""
-    for _ in range(8):  # wrappers keep the policy they wrap in ``base``
-        if isinstance(policy, Budget):
-            return policy
-        policy = getattr(policy, "base", None)
-    return None
+    return next((p for p in wrapped(policy) if isinstance(p, Budget)), None)
 
 
 def report_fields(tape: Tape, res: Any, policy: Any, args: Sequence[Any] = ()) -> dict[str, Any]:
