@@ -19,6 +19,7 @@ from jax import tree_util
 
 from tapegrad import passes as _passes
 from tapegrad.anomaly import detect as _anomaly
+from tapegrad.core.jax_compat import ArrayImpl
 from tapegrad.core.residual_policy import is_plain, resolve_policy
 from tapegrad.core.tape import Tape
 from tapegrad.engine.checkpoint import plan_recompute
@@ -82,7 +83,7 @@ def _dtype_of(x):
     return jnp.result_type(x)
 
 
-_ARRAY_IMPL = type(jnp.zeros(()))
+_ARRAY_IMPL = ArrayImpl  # not type(jnp.zeros(())): importing must not start jax's backend
 
 
 def _check_input_dtype(x, allow_int: bool, holomorphic: bool, fun_name: str) -> None:
