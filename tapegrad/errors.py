@@ -23,6 +23,7 @@ __all__ = [
     "GradcheckError",
     "DtypeError",
     "InvalidTapeError",
+    "ProcessMismatchError",
 ]
 
 
@@ -109,6 +110,14 @@ class DtypeError(TapegradError, TypeError):
 class InvalidTapeError(TapegradError, ValueError):
     """A tape pass returned something that is not a well-formed `Tape` (a value used
     before it is defined, records out of order, ...)."""
+
+
+class ProcessMismatchError(TapegradError, ValueError):
+    """In a multi-process run (``jax.process_count() > 1``), the processes would not
+    run the same program: their budgets or cost models differ, so each would plan its
+    own residuals and their collectives would wait on each other forever; or a process
+    did not take part in an exchange the others made (it made other calls, in another
+    order, or it died). Raised on every process, before anything runs."""
 
 
 def where(record) -> str:

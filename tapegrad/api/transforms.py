@@ -24,6 +24,7 @@ from tapegrad.api.traced import (
     is_array_leaf,
     leaf_owners,
 )
+from tapegrad.core.jax_compat import ArrayImpl
 from tapegrad.core.residual_policy import is_plain, resolve_policy
 from tapegrad.core.tape import Tape
 from tapegrad.engine.checkpoint import plan_recompute
@@ -39,7 +40,7 @@ def _dtype_of(x):
     return jnp.result_type(x)
 
 
-_ARRAY_IMPL = type(jnp.zeros(()))
+_ARRAY_IMPL = ArrayImpl  # not type(jnp.zeros(())): importing must not start jax's backend
 
 
 def _check_input_dtype(x, allow_int: bool, holomorphic: bool, fun_name: str) -> None:

@@ -2,7 +2,8 @@
 
 Public jax names are preferred everywhere else; what remains below has no
 public spelling in jax 0.10 (source frames, evaluating a custom_vjp's
-forward thunk, recognising checkpoint/name under both remat settings).
+forward thunk, recognising checkpoint/name under both remat settings, the
+jax.distributed client whose key-value store processes exchange plans through).
 
 jax 0.10 and 0.11 are both supported. What 0.11 changed, and where it is met:
 scan's operand counts became a FlatTree (`eqn_params`, `bind_params`); a
@@ -19,7 +20,9 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax._src import array as _array  # the concrete array type, without making one
 from jax._src import core as _core
+from jax._src import distributed as _distributed  # no public accessor for the client
 from jax._src import source_info_util as _siu  # no public API for user frames
 from jax.extend import core as jex_core
 from jax.extend.core import primitives as jex_prims
@@ -498,3 +501,16 @@ def device_put_back(cts: Sequence[Any], params: Any) -> list:
             *cts, devices=tuple(params["srcs"]), srcs=tuple(params["devices"]), copy_semantics=sems
         )
     )
+
+
+def distributed_client() -> Any:
+    """`jax.distributed`'s client (its coordinator's key-value store), or None when
+    `jax.distributed.initialize` has not run. No public accessor in jax 0.10;
+    `jax.experimental.multihost_utils` reads the same global."""
+    return _distributed.global_state.client
+
+
+# The type of every concrete jax array. ``type(jnp.zeros(()))`` would name it too, but
+# making an array starts jax's backend, and `jax.distributed.initialize` must run before
+# that: importing tapegrad must not.
+ArrayImpl = _array.ArrayImpl

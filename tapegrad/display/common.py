@@ -24,6 +24,23 @@ WIDTH = 100  # every line of str(tape) / str(report) fits in this many columns
 MAX_PERIOD = 64  # longest repeated block looked for (a transformer layer is ~40 records)
 
 
+def sharding_lines(devices: int, processes: int = 1) -> list[str]:
+    """What a report's bytes mean when its values span several devices (and processes)."""
+    if devices <= 1:
+        return []
+    if processes <= 1:
+        return [
+            f"  (values sharded over {devices} devices: each counts the shard one device "
+            "holds, all of it if replicated)"
+        ]
+    return [
+        f"  (values sharded over {devices} devices of {processes} processes: each counts the "
+        "shard one of",
+        "   this process's devices holds, all of it if replicated; each process reports its "
+        "own shards)",
+    ]
+
+
 def clip(s: str, n: int) -> str:
     """``s`` cut to ``n`` characters, ending in an ellipsis when cut."""
     return s if len(s) <= n else (s[: n - 1] + "…" if n > 0 else "")

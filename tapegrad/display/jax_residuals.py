@@ -15,6 +15,7 @@ from tapegrad.display.common import (
     clip,
     fold_runs,
     human_bytes,
+    sharding_lines,
     short_source,
 )
 from tapegrad.display.html import (
@@ -70,11 +71,7 @@ def _head(jr: Any) -> list[str]:
         f"  in {_count(len(jr.rows), 'array')} (vjp_fn's {_count(jr.leaves, 'leaf')}); "
         f"by kind: device {jr.device_bytes:,}, host {jr.host_bytes:,}",
     ]
-    if jr.devices > 1:
-        lines.append(
-            f"  (values sharded over {jr.devices} devices: each counts the shard one device "
-            "holds, all of it if replicated)"
-        )
+    lines += sharding_lines(jr.devices, jr.processes)
     lines = [clip(line, WIDTH) for line in lines]
     for note in jr.notes:
         lines.append(clip(f"  note: {note}", WIDTH))

@@ -18,6 +18,7 @@ from tapegrad.display.common import (
     clip,
     fold_runs,
     human_bytes,
+    sharding_lines,
     short_source,
 )
 from tapegrad.display.html import (
@@ -99,14 +100,7 @@ def report_head(rep) -> list[str]:
             WIDTH,
         )
     )
-    if ndev > 1:
-        lines.append(
-            clip(
-                f"  (values sharded over {ndev} devices: each counts the shard one device "
-                "holds, all of it if replicated)",
-                WIDTH,
-            )
-        )
+    lines += [clip(line, WIDTH) for line in sharding_lines(ndev, getattr(rep, "processes", 1))]
     lines.append(
         clip(
             f"  + the inputs themselves {rep.input_bytes:,} B, kept as they are (the caller "

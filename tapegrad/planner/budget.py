@@ -26,6 +26,7 @@ are never recomputed.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
@@ -34,12 +35,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tapegrad.core.processes import check_same
 from tapegrad.core.residual_policy import SAVE, declared, is_exact, resolve_prefetch
 from tapegrad.core.tape import Record, Tape
 from tapegrad.engine.checkpoint import CheckpointPolicy as P
 from tapegrad.planner import candidates as C
 from tapegrad.planner import joint
 from tapegrad.planner.cost import ERROR_CLASSES, MECHANISMS, default_costs, device_nbytes
+from tapegrad.planner.ilp import mechanisms as ilp_mechanisms
 from tapegrad.planner.joint_plan import plan_joint
 from tapegrad.planner.problem import (
     BudgetError,
@@ -92,6 +95,8 @@ class Budget:
         self._mech: dict[Any, str] = {}
         self._res_canon: dict[Any, tuple[str, int, float]] = {}
         self._impl: dict[str, Any] = {}
+        # What every process agreed to plan with (`_check_processes`), last time.
+        self._agreed: dict[str, Any] | None = None
 
     @property
     def prefetch(self) -> int | str:
@@ -139,7 +144,48 @@ class Budget:
         bytes against the records around it.)"""
         if rec.primitive != "scan" or rec.trip_count < 4:
             return LoopPlan()
+        self._check_processes()
         return choose_loop_schedule(rec, self.bytes)
+
+    def _costs(self) -> Any:
+        return self.costs if self.costs is not None else default_costs()
+
+    def plan_fields(self) -> dict[str, Any]:
+        """What a plan depends on beside the tape: the budget, the mechanisms, the cost
+        model's figures and the searches' work limits (`candidates`), by name."""
+        fields: dict[str, Any] = {
+            "bytes": self.bytes,
+            "allow": list(self.allow),
+            "max_error": self.max_error,
+            "base": type(self.base).__qualname__,
+            "highspy": ilp_mechanisms.available(),
+        }
+        costs = self._costs()
+        for f in dataclasses.fields(costs):
+            fields[f"costs.{f.name}"] = getattr(costs, f.name)
+        for name in C.__all__:
+            v = getattr(C, name)
+            fields[f"candidates.{name}"] = list(v) if isinstance(v, tuple) else v
+        return fields
+
+    def _check_processes(self) -> None:
+        """In a multi-process run, every process must plan the same tape the same way,
+        or their programs (and collectives) would not match: compare `plan_fields`
+        across processes, once per set of figures (`core.processes.check_same`)."""
+        if jax.process_count() <= 1:
+            return
+        fields = self.plan_fields()
+        if fields == self._agreed:
+            return
+        check_same(
+            "tg.policies.budget",
+            fields,
+            "Give every process the same budget(bytes=...), allow= and max_error=, and the "
+            "same cost model: call tg.policies.calibrate() on every process (it measures on "
+            "process 0 and shares the figures) or on none, or pass the same "
+            "budget(costs=CostModel(...)) everywhere.",
+        )
+        self._agreed = fields
 
     def plan(
         self, tape: Tape, fixed: Sequence[str | None], rebuilt: AbstractSet[int] = frozenset()
@@ -160,6 +206,7 @@ class Budget:
            (`families`, `save_recompute`).
         ``self.last`` says what was chosen: peak bytes, flops, the winning family.
         """
+        self._check_processes()
         fixed = _keep_effects(tape, fixed)
         choose = declared(self.base, "choose")
 
@@ -179,7 +226,7 @@ class Budget:
         else:
             if "recompute" not in self.allow:  # e.g. allow=("save", "compress"), lossless
                 fixed = [f or "save" for f in fixed]
-            costs = self.costs if self.costs is not None else default_costs()
+            costs = self._costs()
             sc, best = _save_recompute(
                 tape,
                 fixed,

@@ -13,13 +13,15 @@ residual costs in device bytes and in step time.
   ``budget(max_error=...)`` bounds.
 
 Figures are per backend: `DEFAULTS` until `calibrate` has measured them (a few timed
-probes, cached per backend); a `CostModel` can also be written by hand and passed to
+probes, cached per backend; in a multi-process run measured on process 0 and shared, so
+every process plans alike); a `CostModel` can also be written by hand and passed to
 ``budget(costs=...)``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 import weakref
@@ -29,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tapegrad.core.processes import text_from_process_zero
 from tapegrad.core.residual_policy import register_auto_prefetch
 from tapegrad.core.tape import Record, Tape, Var, itemsize
 from tapegrad.core.tape import device_nbytes as _nbytes
@@ -174,14 +177,35 @@ def calibrate(force: bool = False, *, size: int | None = None, mbytes: int = 16,
     latency on an accelerator: on an H100 a 512-square product gave 3.5e12 flop/s), an
     ``mbytes`` MiB array to pinned host memory and back (bytes/s each way), a bfloat16
     compress round trip of the same array, and a 2-bit pack and unpack of it (bytes/s;
-    timed apart, as forward and backward run them). ``force=True`` measures again.
+    timed apart, as forward and backward run them), all on this process's first device
+    (`jax.local_devices`). ``force=True`` measures again.
     Returns a `CostModel` (``measured=True``); `budget` uses it by default from then on.
+
+    In a multi-process run (``jax.process_count() > 1``) every process must call it (a
+    collective, like the jitted steps): process 0 measures and hands its figures to the
+    others through `jax.distributed`'s key-value store, so that every process plans
+    with the same cost model and builds the same program (timings differ from process
+    to process, and so would their plans).
     """
     backend = _backend()
     if not force and backend in _CALIBRATED:
         return _CALIBRATED[backend]
-    dev = jax.devices()[0]
-    key = jax.random.key(0)
+    args = (backend, size, mbytes, repeats)
+    if jax.process_count() > 1:
+        text = text_from_process_zero(
+            "tg.policies.calibrate", lambda: json.dumps(dataclasses.asdict(_measure(*args)))
+        )
+        model = CostModel(**json.loads(text))  # floats round-trip JSON exactly
+    else:
+        model = _measure(*args)
+    _CALIBRATED[backend] = model
+    return model
+
+
+def _measure(backend: str, size: int | None, mbytes: int, repeats: int) -> CostModel:
+    """`calibrate`'s probes, timed on this process's first device."""
+    dev = jax.local_devices()[0]
+    key = jax.device_put(jax.random.key(0), dev)
     mm = jax.jit(lambda a: a @ a)
 
     def products(a, k=8):  # k back to back, one wait: launch latency amortized
@@ -218,9 +242,7 @@ def calibrate(force: bool = False, *, size: int | None = None, mbytes: int = 16,
     # Not probed: a small barrier-split chain read 1.9 us a segment on an H100, where
     # plans on the transformer were fastest at the default's 5 us (`segment_s`).
     seg = DEFAULTS.get(backend, DEFAULTS["gpu"]).segment_s
-    model = CostModel(flops, d2h, h2d, comp, backend, True, lowbit, seg)
-    _CALIBRATED[backend] = model
-    return model
+    return CostModel(flops, d2h, h2d, comp, backend, True, lowbit, seg)
 
 
 def _lowbit_round_trip(x: Any, repeats: int) -> float:

@@ -2,10 +2,10 @@
 prediction: run forward and backward eagerly and sample `jax.live_arrays()` at the
 end of forward, after every record re-run in backward (recomputation) and after every
 backward record. The peak counts what the planner counts: device memory only (arrays
-whose memory kind is not a host kind), on one device (a shard's bytes), *beyond* what
-was alive before forward (inputs, weights), excluding the function's outputs, the
-cotangent fed to backward and the cotangents backward holds (their bytes mirrored
-from the tape as backward produces and consumes them).
+whose memory kind is not a host kind), on one of this process's devices (a shard's
+bytes), *beyond* what was alive before forward (inputs, weights), excluding the
+function's outputs, the cotangent fed to backward and the cotangents backward holds
+(their bytes mirrored from the tape as backward produces and consumes them).
 """
 
 from __future__ import annotations
@@ -73,12 +73,13 @@ def measured_peak(
     fun: Callable, args: Sequence[Any], policy: Any = None, argnums: int | Sequence[int] = 0
 ) -> int:
     """Peak device bytes of residuals (and what backward recomputes or unpacks) over an
-    eager forward and backward of ``fun(*args)`` under ``policy``, on the first device."""
+    eager forward and backward of ``fun(*args)`` under ``policy``, on this process's first
+    device (`jax.local_devices`; in a multi-process run each process measures its own)."""
     pol = resolve_policy(policy)
     nums = argnums_tuple(argnums, len(args), "measured_peak")
     owners = leaf_owners(tuple(args))
     t = Traced(fun, tuple(args), lambda i: owners[i] in nums, False, "measured_peak", pol)
-    dev = jax.devices()[0]
+    dev = jax.local_devices()[0]  # jax.devices()[0] is process 0's: no shard here elsewhere
     gc.collect()
     before = {id(a) for a in jax.live_arrays()}
     flat_out, res = _interpret.forward(t.tape, t.flat, pol)

@@ -215,6 +215,16 @@ def _devices(values: Any) -> int:
     return n
 
 
+def _processes(values: Any) -> int:
+    """How many processes' devices the arrays among ``values`` span (a multi-process
+    run's global arrays: all of them; this process sees only its own shards)."""
+    n = 1
+    for leaf in tree_util.tree_leaves(values):
+        devs = getattr(getattr(leaf, "sharding", None), "device_set", ())
+        n = max(n, len({getattr(d, "process_index", 0) for d in devs}))
+    return n
+
+
 @dataclass(frozen=True)
 class Accounts:
     """What one run keeps, per residual key (a loop record's per-step residuals are one

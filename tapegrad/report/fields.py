@@ -16,7 +16,15 @@ from tapegrad.core.residual_policy import wrapped
 from tapegrad.core.tape import Tape, custom_vjp_name
 from tapegrad.engine.loops.saves import forwarded_ids
 from tapegrad.planner import Budget, segment_flops
-from tapegrad.report.accounting import _Acc, _add, _Body, _devices, _is_body_key, account
+from tapegrad.report.accounting import (
+    _Acc,
+    _add,
+    _Body,
+    _devices,
+    _is_body_key,
+    _processes,
+    account,
+)
 from tapegrad.report.timeline import replay
 from tapegrad.report.unseen import unseen_backwards, unseen_notes
 
@@ -248,6 +256,7 @@ def report_fields(tape: Tape, res: Any, policy: Any, args: Sequence[Any] = ()) -
         peak_beyond_inputs_bytes=tl.peak_beyond_inputs_bytes,
         unseen=tuple(u for _, u in unseen),
         devices=_devices(list(res.store.values()) + list(args)),
+        processes=_processes(list(res.store.values()) + list(args)),
         decisions=decisions,
         planned_peak_bytes=planner.last.get("peak_bytes") if planner is not None else None,
         measured_device_peak_bytes=measured_dev,

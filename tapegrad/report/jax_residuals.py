@@ -88,7 +88,9 @@ class JaxResiduals:
     * ``rows``: one `JaxResidual` per distinct array, in ``vjp_fn``'s leaf order;
     * ``notes``: what could not be attributed, and why.
 
-    Values sharded over several devices count the shard one device holds.
+    Values sharded over several devices count the shard one device holds; on a
+    multi-process run's global arrays (``processes`` > 1), one of this process's devices
+    (its local shards), each process reporting its own.
     """
 
     fun: str
@@ -101,6 +103,7 @@ class JaxResiduals:
     leaves: int
     notes: tuple[str, ...] = ()
     devices: int = 1
+    processes: int = 1
 
     @property
     def beyond_inputs_bytes(self) -> int:
@@ -391,8 +394,10 @@ def jax_residuals(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool
     Runs `jax.vjp` eagerly (the bytes are the arrays it holds, each counted once), then
     traces the same call abstractly to say which equation made each residual. Works
     under `jax.checkpoint` (its policies and names decide what jax keeps) and
-    `jax.jit`. A function jax cannot differentiate raises jax's own error: `jax.vjp`'s,
-    or, when only backward fails (a ``while_loop``), the one tracing backward raises.
+    `jax.jit`. On a multi-process run's global arrays every process must call it (it
+    runs jax.vjp on them). A function jax cannot differentiate raises jax's own error:
+    `jax.vjp`'s, or, when only backward fails (a ``while_loop``), the one tracing
+    backward raises.
     """
 
     @functools.wraps(fun)
@@ -424,7 +429,7 @@ def jax_residuals(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool
 def _report(fun, nums, args, leaves, arrays, found, notes) -> JaxResiduals:
     inputs = {_array_key(x) for x in tree_util.tree_leaves(args) if _is_array(x)}
     rows: dict[Any, JaxResidual] = {}
-    devices = 1
+    devices = processes = 1
     for i, (x, o) in enumerate(zip(arrays, found)):
         key = _array_key(x)
         if key in rows:
@@ -433,7 +438,9 @@ def _report(fun, nums, args, leaves, arrays, found, notes) -> JaxResiduals:
             continue
         kind = getattr(getattr(x, "sharding", None), "memory_kind", None) or "device"
         nbytes = array_nbytes(x)
-        devices = max(devices, len(getattr(getattr(x, "sharding", None), "device_set", ())))
+        devs = getattr(getattr(x, "sharding", None), "device_set", ())
+        devices = max(devices, len(devs))
+        processes = max(processes, len({getattr(d, "process_index", 0) for d in devs}))
         is_input = key in inputs
         prim, what = o.primitive, o.what
         if is_input and prim != "input":  # one of the caller's arrays, passed through
@@ -468,4 +475,5 @@ def _report(fun, nums, args, leaves, arrays, found, notes) -> JaxResiduals:
         len(leaves),
         notes,
         devices,
+        processes,
     )

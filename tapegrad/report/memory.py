@@ -67,7 +67,10 @@ class MemoryReport:
 
     Values sharded over several devices (``devices`` > 1) count the bytes one device
     holds: an array its shard (a replicated array all of it), a value the report
-    estimates from its type its shard under Explicit mesh axes, else all of it.
+    estimates from its type its shard under Explicit mesh axes, else all of it. In a
+    multi-process run (global arrays over ``processes`` > 1 processes), the bytes are
+    those of one of *this* process's devices, read off its local shards: each process
+    reports its own (on an even sharding, the same figures everywhere).
     """
 
     policy: Any
@@ -129,6 +132,10 @@ class MemoryReport:
     # that matched nothing, a budget above save()'s bytes): one line each
     # (`tapegrad.report.notes`); memory_report also warns once per policy object.
     policy_notes: tuple[str, ...] = ()
+    # Processes whose devices those arrays span (a multi-process run's global arrays):
+    # with more than one, the bytes are one of this process's devices', each process
+    # reporting its own shards.
+    processes: int = 1
 
     @property
     def beyond_inputs_bytes(self) -> int:
@@ -211,7 +218,9 @@ def memory_report(fun: Callable, argnums: int | Sequence[int] = 0, *, policy: An
     Runs eagerly (the point is to look at real arrays). The headline is what backward
     holds beyond the function's inputs, which the caller holds anyway; records whose
     backward runs `jax.vjp` are listed in ``rep.unseen`` with an estimate of what jax
-    makes inside it.
+    makes inside it. On values sharded over devices, bytes are per device; on a
+    multi-process run's global arrays, per device of this process (its local shards),
+    and every process must call it, as it runs the forward on the global arrays.
     """
 
     @functools.wraps(fun)
