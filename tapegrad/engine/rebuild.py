@@ -20,54 +20,14 @@ from tapegrad.core.residual_policy import ResidualInfo
 from tapegrad.core.tape import Record, Saved, Tape, Var
 from tapegrad.rules._bits import mask_aval
 from tapegrad.rules._registry import keeping_operands
+from tapegrad.rules.cheap import EXACT_CHEAP
 
 __all__ = ["RANDOM", "rebuilt_records", "shared_in_body", "switched"]
 
 
-# Exact, cheap ops (elementwise arithmetic, casts, bit ops, comparisons, layout):
-# rebuilding their output in backward costs a few memory-bound ops and gives the very
-# same bits.
-_REBUILDABLE = frozenset(
-    {
-        "add",
-        "sub",
-        "mul",
-        "div",
-        "neg",
-        "max",
-        "min",
-        "select_n",
-        "convert_element_type",
-        "bitcast_convert_type",
-        "shift_left",
-        "shift_right_logical",
-        "shift_right_arithmetic",
-        "and",
-        "or",
-        "xor",
-        "not",
-        "eq",
-        "ne",
-        "lt",
-        "le",
-        "gt",
-        "ge",
-        "broadcast_in_dim",
-        "reshape",
-        "squeeze",
-        "expand_dims",
-        "transpose",
-        "slice",
-        "unstack",  # jax 0.11 splits ``k1, k2 = split(key)`` with it (0.10: slice, squeeze)
-        "concatenate",
-        # iota: one-hot labels (``y[:, None] == iota``) and index arithmetic (labels
-        # made into gather indices) are rebuilt too
-        "iota",
-    }
-)
 # Counter-based random bits: a pure function of the key (jax.random's contract, and what
 # jax.checkpoint relies on when it recomputes dropout). Not XLA's stateful rng_uniform,
-# which `_trace._NO_CSE` never merges either. Tens of integer ops per element, not one:
+# which `engine.trace._NO_CSE` never merges either. Tens of integer ops per element, not one:
 # rebuilt only where what they free has as many elements (`_worth_rebuilding`).
 RANDOM = frozenset({"random_bits", "threefry2x32"})
 # Keys (and their raw data) are a few bytes each: kept, never rebuilt, however they were
@@ -87,7 +47,7 @@ def rebuilt_records(
     everything needed to rebuild them anyway; and records that keep their operands or
     outputs instead of masks derived from them, because those are rebuilt or kept anyway.
 
-    A cheap op (`_REBUILDABLE`) whose operands are all kept anyway -- the function's
+    A cheap op (`EXACT_CHEAP`) whose operands are all kept anyway -- the function's
     inputs and constants, values some record saves for its own backward, or outputs of
     records rebuilt the same way -- is recomputed in backward at no memory cost: a layer
     norm's ``(x - mu) * rsqrt(var + eps) * g + b`` keeps ``x - mu`` and the rsqrt for its
@@ -211,7 +171,7 @@ def _rebuilt_once(
                     rec, pool = pair
                     plain[rec.index], plain[pool.index] = rec, pool
         if not (
-            (rec.primitive in _REBUILDABLE or rec.primitive in RANDOM)
+            (rec.primitive in EXACT_CHEAP or rec.primitive in RANDOM)
             and rec.index not in banned
             and open_[rec.index]
             and decisions[rec.index] == "save"

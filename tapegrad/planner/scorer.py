@@ -15,74 +15,9 @@ from itertools import islice
 from tapegrad.core.tape import Record, Tape, Var
 from tapegrad.planner.index import TapeIndex
 from tapegrad.planner.joint import Timeline
+from tapegrad.rules.cheap import CHEAP
 
 __all__ = ["Scorer", "CLASSES", "WORK", "MIN_SCORES"]
-
-
-# Cheap ops: recomputing them costs little next to what storing their outputs costs.
-_CHEAP = frozenset(
-    {
-        "add",
-        "sub",
-        "mul",
-        "div",
-        "neg",
-        "max",
-        "min",
-        "abs",
-        "sign",
-        "exp",
-        "exp2",
-        "log",
-        "log1p",
-        "expm1",
-        "tanh",
-        "logistic",
-        "sin",
-        "cos",
-        "tan",
-        "sqrt",
-        "rsqrt",
-        "cbrt",
-        "integer_pow",
-        "pow",
-        "square",
-        "erf",
-        "erf_inv",
-        "select_n",
-        "convert_element_type",
-        "broadcast_in_dim",
-        "reshape",
-        "transpose",
-        "squeeze",
-        "expand_dims",
-        "split",
-        "slice",
-        "concatenate",
-        "pad",
-        "rev",
-        "copy",
-        "copy_p",
-        "stop_gradient",
-        "clamp",
-        "and",
-        "or",
-        "not",
-        "eq",
-        "ne",
-        "lt",
-        "le",
-        "gt",
-        "ge",
-        "is_finite",
-        "nextafter",
-        "round",
-        "floor",
-        "ceil",
-        "reduce_precision",
-        "iota",
-    }
-)
 
 
 def _is_dot(rec: Record) -> bool:
@@ -102,7 +37,7 @@ def _is_dot_no_batch(rec: Record) -> bool:
 CLASSES: dict[str, Callable[[Record], bool]] = {
     "dots_saveable": _is_dot,
     "dots_with_no_batch_dims_saveable": _is_dot_no_batch,
-    "save_all_but_cheap": lambda r: r.primitive not in _CHEAP,
+    "save_all_but_cheap": lambda r: r.primitive not in CHEAP,
     "nothing_saveable": lambda r: False,
 }
 
