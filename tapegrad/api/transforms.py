@@ -28,7 +28,7 @@ from tapegrad.core.jax_compat import ArrayImpl
 from tapegrad.core.residual_policy import is_plain, resolve_policy
 from tapegrad.core.tape import Tape
 from tapegrad.engine.checkpoint import plan_recompute
-from tapegrad.engine.fused import run_grad
+from tapegrad.engine.fused import can_fuse, run_grad
 from tapegrad.engine.interpret import Residuals, backward, forward
 
 __all__ = ["grad", "value_and_grad", "vjp", "trace"]
@@ -251,8 +251,9 @@ def value_and_grad(
         obs = _anomaly.observer(mode, t.tape if mode is not None else t.unplanned, t.in_tree)
         fused = None
         checked = False  # the output check and the named values, computed once
-        if obs is None and is_plain(pol):
-            # Nothing observes single records: try forward+backward as one compiled call.
+        if obs is None and is_plain(pol) and can_fuse(t.unplanned, t.flat):
+            # Nothing observes single records, and no trace is around: try forward and
+            # backward as one compiled call (planned for it alone).
             ydt = _check_grad_output(t, holomorphic)
             # One compiled call holds nothing between forward and backward: values
             # backward could rebuild are kept as they are (XLA plans that memory).

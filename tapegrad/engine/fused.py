@@ -47,7 +47,7 @@ from tapegrad.engine import interpret as _interpret
 from tapegrad.engine.interpret import backward, forward, run_segment
 from tapegrad.rules import FALLBACK, lookup
 
-__all__ = ["grad_key", "run_grad", "segment_call"]
+__all__ = ["can_fuse", "grad_key", "run_grad", "segment_call"]
 
 
 def _operand_key(i: Any) -> Any:
@@ -248,14 +248,20 @@ def _grad_body(tape: Tape, ct_dtype: Any, capture_ids: tuple):
     return body
 
 
+def can_fuse(tape: Tape, args: Sequence[Any]) -> bool:
+    """Whether `run_grad` may run ``tape`` on ``args`` as one compiled call: not under a
+    trace (jit, vmap or an outer grad trace the per-record path instead)."""
+    return _is_concrete(args) and _is_concrete([c for _, c in tape.consts])
+
+
 def run_grad(
     tape: Tape, args: Sequence[Any], ct_dtype: Any, capture_ids: tuple = ()
 ) -> tuple[list, list, list] | None:
     """``(flat outputs, input cotangents, captured cotangents)`` of the tape's first output,
     from one compiled call; None when the per-record path must run instead."""
-    consts = [c for _, c in tape.consts]
-    if not (_is_concrete(args) and _is_concrete(consts)):
+    if not can_fuse(tape, args):
         return None
+    consts = [c for _, c in tape.consts]
     key = grad_key(tape, (np.dtype(ct_dtype), capture_ids))
     if key is None:
         return None
