@@ -408,6 +408,7 @@ def backward(
             recomputed.pop(key, None)
             if not retain:
                 store.pop(key, None)
+                res.origins.pop(key, None)
 
     def get(rec, key, s):
         v = recomputed.get(key)
