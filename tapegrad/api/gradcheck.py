@@ -110,6 +110,7 @@ class _Problem:
 
 
 def _float_outputs(leaves, what: str) -> list[int]:
+    """The floating outputs' positions (possibly none: see `_no_differentiable_outputs`)."""
     idx = []
     for k, o in enumerate(leaves):
         dt = np.dtype(jnp.result_type(o))
@@ -120,9 +121,53 @@ def _float_outputs(leaves, what: str) -> list[int]:
             )
         if jnp.issubdtype(dt, jnp.floating):
             idx.append(k)
-    if not idx:
-        raise DtypeError(f"{what}: the function has no floating-point output to check.")
     return idx
+
+
+def _no_differentiable_outputs(p: _Problem, fn, eps, raise_exception, what) -> bool:
+    """PyTorch's check when no output is differentiable (``f`` returns ``()`` or only
+    integers): there is nothing to compare, and the outputs must not move under eps."""
+    for j, x0 in enumerate(p.x0):
+        x = np.asarray(x0, np.float64).reshape(-1)
+        for e in range(x.size):
+            plus, minus = x.copy(), x.copy()
+            plus[e] += eps
+            minus[e] -= eps
+            xp, xm = list(p.x0), list(p.x0)
+            xp[j] = jnp.asarray(plus.reshape(np.shape(x0)))
+            xm[j] = jnp.asarray(minus.reshape(np.shape(x0)))
+            for o, (a, b) in enumerate(zip(fn(xp), fn(xm))):
+                if not np.array_equal(np.asarray(a), np.asarray(b)):
+                    return _fail(
+                        f"{what}: Numerical gradient for function expected to be zero: the "
+                        f"function has no floating-point output, but output {o} changes when "
+                        f"input {p.diff[j]} ({p.labels[j]}) moves by eps={eps:g}. Return it "
+                        "as a float if it is differentiable.",
+                        raise_exception,
+                    )
+    return True
+
+
+def _check_backward_mul_by_grad_output(
+    p: _Problem, out_leaves, out_tree, vjp_fn, what, raise_exception
+) -> bool:
+    """PyTorch's ``_test_backward_mul_by_grad_output``: with a zero cotangent for every
+    output, every input's gradient must be zero. A backward that adds something to the
+    cotangent instead of scaling it can pass a loose Jacobian check; this one it fails."""
+    in_cts = vjp_fn(tree_util.tree_unflatten(out_tree, [_zero_ct(o) for o in out_leaves]))
+    for j in range(len(p.x0)):
+        g = np.asarray(in_cts[j], np.float64)
+        if g.size and np.any(g != 0):
+            k = int(np.argmax(np.abs(g).reshape(-1) != 0))
+            return _fail(
+                f"{what}: backward not multiplied by grad_output: with a zero cotangent for "
+                f"every output, the gradient of input {p.diff[j]} ({p.labels[j]}) is "
+                f"{float(g.reshape(-1)[k])!r} at element {_fmt_idx(g.shape, k)}, not 0. A "
+                "backward (a tg.Function's backward, a tg.hook) must scale with the cotangent "
+                "it receives (return g * ..., not g + c or a constant).",
+                raise_exception,
+            )
+    return True
 
 
 def _zero_ct(o):
@@ -180,6 +225,8 @@ def _numerical_columns(
 def _check_full(p: _Problem, fn, eps, atol, rtol, raise_exception, policy, what) -> bool:
     out_leaves, out_tree, vjp_fn = _analytical(p, policy)
     out_idx = _float_outputs(out_leaves, what)
+    if not out_idx:
+        return _no_differentiable_outputs(p, fn, eps, raise_exception, what)
     # One vjp per output element gives that row of every input's Jacobian.
     rows: dict[tuple[int, int], list] = {(o, j): [] for o in out_idx for j in range(len(p.x0))}
     for o in out_idx:
@@ -228,7 +275,9 @@ def _check_full(p: _Problem, fn, eps, atol, rtol, raise_exception, policy, what)
                     _small(n),
                 ]
             return _fail("\n".join(msg), raise_exception)
-    return True
+    return _check_backward_mul_by_grad_output(
+        p, out_leaves, out_tree, vjp_fn, what, raise_exception
+    )
 
 
 def _unit(rng, shape) -> np.ndarray:
@@ -238,37 +287,42 @@ def _unit(rng, shape) -> np.ndarray:
 
 
 def _check_fast(p: _Problem, fn, eps, atol, rtol, raise_exception, policy, what, seed) -> bool:
-    """PyTorch's fast mode: compare u^T J v (one vjp) with u^T (J v by differences)."""
+    """PyTorch's fast mode: for each output o and input j, compare u_o^T J_oj v_j (one
+    vjp per output) with u_o^T (J_oj v_j by central differences)."""
     rng = np.random.default_rng(seed)
     out_leaves, out_tree, vjp_fn = _analytical(p, policy)
     out_idx = _float_outputs(out_leaves, what)
+    if not out_idx:
+        return _no_differentiable_outputs(p, fn, eps, raise_exception, what)
     u = {o: _unit(rng, np.shape(out_leaves[o])) for o in out_idx}
-    cts = [
-        jnp.asarray(u[o], jnp.result_type(x)) if o in u else _zero_ct(x)
-        for o, x in enumerate(out_leaves)
-    ]
-    in_cts = vjp_fn(tree_util.tree_unflatten(out_tree, cts))
-    for j in range(len(p.x0)):
-        x = np.asarray(p.x0[j], np.float64)
-        v = _unit(rng, x.shape)
-        analytical = float(np.sum(np.asarray(in_cts[j], np.float64) * v))
+    v = [_unit(rng, np.shape(x)) for x in p.x0]
+    fd = []  # per input: (f(x + eps v), f(x - eps v))
+    for j, x0 in enumerate(p.x0):
+        x = np.asarray(x0, np.float64)
         xp, xm = list(p.x0), list(p.x0)
-        xp[j], xm[j] = jnp.asarray(x + eps * v), jnp.asarray(x - eps * v)
-        fp, fm = fn(xp), fn(xm)
-        numerical = float(sum(np.sum(u[o] * _diff(fp, fm, o, eps)) for o in out_idx))
-        # As in PyTorch, atol scales with the sums of the projection vectors.
-        tol = atol * sum(float(np.sum(u[o])) for o in out_idx) * float(np.sum(v)) + rtol * abs(
-            numerical
-        )
-        if not abs(analytical - numerical) <= tol:
-            return _fail(
-                f"{what} (fast_mode): the projected Jacobian u^T J v differs for input "
-                f"{p.diff[j]} ({p.labels[j]}): analytical (tapegrad) {analytical!r}, numerical "
-                f"{numerical!r}, |difference| {abs(analytical - numerical):.3g} > tolerance "
-                f"{tol:.3g}. Rerun with fast_mode=False to find the element.",
-                raise_exception,
-            )
-    return True
+        xp[j], xm[j] = jnp.asarray(x + eps * v[j]), jnp.asarray(x - eps * v[j])
+        fd.append((fn(xp), fn(xm)))
+    for o in out_idx:
+        cts = [_zero_ct(x) for x in out_leaves]
+        cts[o] = jnp.asarray(u[o], jnp.result_type(out_leaves[o]))
+        in_cts = vjp_fn(tree_util.tree_unflatten(out_tree, cts))
+        for j in range(len(p.x0)):
+            analytical = float(np.sum(np.asarray(in_cts[j], np.float64) * v[j]))
+            numerical = float(np.sum(u[o] * _diff(*fd[j], o, eps)))
+            # As in PyTorch, atol scales with the sums of the projection vectors.
+            tol = atol * float(np.sum(u[o])) * float(np.sum(v[j])) + rtol * abs(numerical)
+            if not abs(analytical - numerical) <= tol:
+                return _fail(
+                    f"{what} (fast_mode): Jacobian mismatch for output {o} with respect to "
+                    f"input {p.diff[j]} ({p.labels[j]}): the projection u^T J v is "
+                    f"{analytical!r} analytically (tapegrad) and {numerical!r} numerically, "
+                    f"|difference| {abs(analytical - numerical):.3g} > tolerance {tol:.3g}. "
+                    "Rerun with fast_mode=False to find the element.",
+                    raise_exception,
+                )
+    return _check_backward_mul_by_grad_output(
+        p, out_leaves, out_tree, vjp_fn, what, raise_exception
+    )
 
 
 def gradcheck(

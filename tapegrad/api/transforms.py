@@ -18,6 +18,7 @@ from jax import tree_util
 
 from tapegrad import passes as _passes
 from tapegrad.anomaly import detect as _anomaly
+from tapegrad.api.grad_hook import retained_keys
 from tapegrad.api.traced import (
     Traced,
     argnums_tuple,
@@ -335,25 +336,27 @@ def _check_grad_output(t: Traced, holomorphic: bool):
     return ydt
 
 
-def _named_vars(tape: Tape, names: Sequence[str]) -> dict[int, Any] | None:
+def _named_vars(tape: Tape, names: Sequence[str]) -> dict[Any, Any] | None:
+    """What backward captures for ``intermediates=names``: {capture key: None}, in the
+    order of ``names`` (`retained_keys` says what each key is)."""
     if not names:
         return None
-    found = {n: r.outputs[0] for r in tape.records for n in r.names}
+    found = retained_keys(tape)
     missing = [n for n in names if n not in found]
     if missing:
         raise ValueError(
             f"intermediates={tuple(names)}: no value is tagged {missing} in this function "
             f'(tagged: {sorted(found) or "none"}). Tag a value with tg.name(x, "...").'
         )
-    return {found[n].id: None for n in names}
+    return {found[n][0]: None for n in names}
 
 
-def _captured(tape: Tape, capture: dict[int, Any], names: Sequence[str]) -> dict[str, Any]:
-    found = {n: r.outputs[0] for r in tape.records for n in r.names}
+def _captured(tape: Tape, capture: dict[Any, Any], names: Sequence[str]) -> dict[str, Any]:
+    found = retained_keys(tape)
     out = {}
     for n in names:
-        v = found[n]
-        ct = capture.get(v.id)
+        key, v = found[n]
+        ct = capture.get(key)
         out[n] = ct if ct is not None else jnp.zeros(v.shape, v.dtype)
     return out
 

@@ -24,6 +24,7 @@ from jax._src import array as _array  # the concrete array type, without making 
 from jax._src import core as _core
 from jax._src import distributed as _distributed  # no public accessor for the client
 from jax._src import source_info_util as _siu  # no public API for user frames
+from jax._src.interpreters import batching as _batching
 from jax.extend import core as jex_core
 from jax.extend.core import primitives as jex_prims
 
@@ -282,6 +283,15 @@ def new_jaxpr(constvars, invars, outvars, eqns, name: str) -> Jaxpr:
 
 
 SCALARS = (int, float, complex, np.generic)  # Python and numpy scalars (bool is an int)
+
+
+def batches_concrete(x: Any) -> bool:
+    """Whether ``x`` is concrete data, or a tracer that only batches it (an eager
+    `jax.vmap`): nothing differentiates it and nothing stages it. No public API tells a
+    `BatchTracer` over arrays from one over a trace."""
+    while isinstance(x, _batching.BatchTracer):
+        x = x.val
+    return not isinstance(x, jax.core.Tracer)
 
 
 def _is_array_like(x: Any) -> bool:

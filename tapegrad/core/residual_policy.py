@@ -420,7 +420,12 @@ def resolve_policy(explicit: Any) -> Any:
 def _check_not_disabled() -> None:
     msg = _DISABLED.get()
     if msg is not None:
-        raise RuntimeError(msg)
+        e = RuntimeError(msg)
+        e.add_note(
+            "tapegrad: saved-tensor hooks are disabled here (tg.disable_saved_tensors_hooks): "
+            "register the hooks outside that scope."
+        )
+        raise e
 
 
 @contextlib.contextmanager
@@ -446,7 +451,28 @@ def residual_policy(policy: Any) -> Iterator[Any]:
 @contextlib.contextmanager
 def disable_saved_tensors_hooks(error_message: str) -> Iterator[None]:
     """Inside this scope, registering hooks or a residual policy raises
-    ``RuntimeError(error_message)``."""
+    ``RuntimeError(error_message)``.
+
+    As PyTorch's, it refuses to start while hooks are active: entering it inside a
+    `saved_tensors_hooks` / `residual_policy` scope (any policy but `save()`) raises
+    ``RuntimeError(error_message)`` too, and changes nothing. Nested, the innermost
+    message wins, and leaving a scope restores the one around it.
+
+    ```python
+    with tg.disable_saved_tensors_hooks("this library manages its own residuals"):
+        ...  # tg.saved_tensors_hooks(pack, unpack) here raises RuntimeError
+    ```
+    """
+    active = _POLICY.get()
+    if active is not None and active is not SAVE:
+        e = RuntimeError(error_message)
+        e.add_note(
+            f"tapegrad: saved-tensor hooks ({active!r}) are active where "
+            "disable_saved_tensors_hooks was entered. Enter it outside the "
+            "saved_tensors_hooks / residual_policy scope, or pass the policy to the "
+            "transform that needs it (tg.grad(f, policy=...)) instead of a scope."
+        )
+        raise e
     token = _DISABLED.set(error_message)
     try:
         yield

@@ -85,6 +85,12 @@ class Selective:
     """
 
     def __init__(self, fn: Callable[[Record], Any], base: Any = None):
+        if not callable(fn):  # checked here, as create_selective_checkpoint_contexts does
+            raise TypeError(
+                f"tg.selective(fn): fn must be a function (record) -> tg.CheckpointPolicy, "
+                f"got {type(fn).__name__} {fn!r}. To save some primitives, pass e.g. "
+                "lambda r: P.ALWAYS if r.primitive in ('dot_general',) else P.PREFER_RECOMPUTE."
+            )
         self.fn = fn
         self.base = SAVE if base is None else base
 
@@ -106,15 +112,8 @@ class Selective:
 
     # Called by jax.checkpoint when a tg.checkpoint(policy=selective) runs under jax.grad.
     def __call__(self, prim, *avals, **params) -> bool:
-        rec = Record(
-            -1,
-            prim.name,
-            tuple(Var(-1, tuple(a.shape), np.dtype(a.dtype)) for a in avals),
-            (),
-            params,
-            prim=prim,
-        )
-        return self.choose(rec).saves
+        ins = tuple(Var(-1, tuple(a.shape), np.dtype(a.dtype)) for a in avals)
+        return self.choose(Record(-1, prim.name, ins, (), params, prim=prim)).saves
 
     def __repr__(self) -> str:
         return f"selective({getattr(self.fn, '__name__', '?')}, base={self.base!r})"
@@ -157,13 +156,20 @@ def name(x: Any, name: str) -> Any:
 
 
 def checkpoint_sequential(
-    functions: Sequence[Callable], segments: int | str, input: Any, policy: Any = None
+    functions: Sequence[Callable], segments: int | str, input: Any, *more: Any, policy: Any = None
 ) -> Any:
     """PyTorch's ``checkpoint_sequential``: run ``functions`` in order, checkpointing
     ``segments`` equal-length chunks; the last chunk is not checkpointed.
 
-    ``segments="sqrt"`` uses ``round(sqrt(len(functions)))`` chunks.
+    ``segments="sqrt"`` uses ``round(sqrt(len(functions)))`` chunks. ``policy`` (a
+    `tg.selective` or `jax.checkpoint_policies` policy for each chunk) is keyword-only.
     """
+    if more:
+        raise TypeError(
+            f"checkpoint_sequential() takes 3 positional arguments (functions, segments, "
+            f"input) but {3 + len(more)} were given. The chain takes one input: pass several "
+            "values as one tuple (the first function receives it), and policy= by keyword."
+        )
     n = len(functions)
     if n == 0:
         return input

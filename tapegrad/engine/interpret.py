@@ -365,7 +365,7 @@ def backward(
     out_cts: Sequence[Any],
     retain: bool = True,
     observer: Any = None,
-    capture: dict[int, Any] | None = None,
+    capture: dict[Any, Any] | None = None,
 ) -> list:
     """Cotangents of the tape's inputs (None where an input gets none).
 
@@ -408,6 +408,7 @@ def backward(
             recomputed.pop(key, None)
             if not retain:
                 store.pop(key, None)
+                res.origins.pop(key, None)
 
     def get(rec, key, s):
         v = recomputed.get(key)
@@ -497,6 +498,10 @@ def backward(
             if observer is not None:
                 observer.backward_record(rec, gs, in_cts)
             del x, y, aux
+            if capture is not None:  # a retained cotangent after a tg.hook (retained_keys)
+                for j, ct in enumerate(in_cts):
+                    if ("in", rec.index, j) in capture:
+                        capture["in", rec.index, j] = ct
             for inp, ct in zip(rec.inputs, in_cts):
                 if ct is not None:
                     accum(inp, ct)

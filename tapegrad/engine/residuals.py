@@ -42,6 +42,7 @@ class Residuals:
         "steps",
         "readers",
         "sources",
+        "origins",
     )
 
     def __init__(self, policy):
@@ -62,6 +63,8 @@ class Residuals:
         self.readers: dict[Any, tuple] = {}
         # record index -> a device_put's operands' placements, seen in forward (`_placed`)
         self.sources: dict[int, tuple] = {}
+        # residual key -> the traced value a policy packed (`_stands_for`)
+        self.origins: dict[Any, Any] = {}
 
 
 def _pack(res: Residuals, rec: Record, key, s, value, segment_input: bool = False):
@@ -85,7 +88,7 @@ def _pack(res: Residuals, rec: Record, key, s, value, segment_input: bool = Fals
     if isinstance(value, compat.SCALARS):
         return value  # a custom_vjp's Python residual (a bool flag): no array to move
     try:
-        return res.policy.pack(value, info)
+        packed = res.policy.pack(value, info)
     except Exception as e:
         e.add_note(f"tapegrad: raised by {res.policy!r}.pack for residual {info}")
         if isinstance(value, jax.core.Tracer):
@@ -94,6 +97,28 @@ def _pack(res: Residuals, rec: Record, key, s, value, segment_input: bool = Fals
                 "a pack that needs concrete data (np.asarray, .item()) cannot run there."
             )
         raise
+    if not res.loops and not compat.batches_concrete(value):
+        # Traced (under jit, or differentiated again): backward's unpacked value will
+        # stand for this one (`_stands_for`). A loop body's backward is another trace,
+        # which cannot reach this step's value: there the hooks are differentiated.
+        res.origins[key] = value
+    return packed
+
+
+@jax.custom_jvp
+def _stands_for(original, unpacked):
+    """``unpacked``, differentiated as ``original``, as PyTorch's unpacked saved tensor
+    is (test_default_saved_tensors_hooks_double_backward): an outer derivative of
+    backward flows to the residual the value replaced, and not through ``pack``/
+    ``unpack`` (a hook that packs ``2 * x``, a rounding, a copy to host). Its value is
+    ``unpacked`` exactly; ``original`` is only a tangent's path, so under jit without
+    an outer derivative XLA keeps nothing for it."""
+    return unpacked
+
+
+@_stands_for.defjvp
+def _stands_for_jvp(primals, tangents):
+    return primals[1], tangents[0]
 
 
 def _on_host(tree) -> bool:
@@ -139,6 +164,9 @@ def _unpack(res: Residuals, rec: Record, key, s, after=()):
                 f" for {s} of {where(rec)}, which saved {s.dtype}{list(s.shape)}. "
                 "unpack must return an array of the shape and dtype that pack received."
             )
+        original = res.origins.get(key)
+        if original is not None:
+            value = _stands_for(original, value)
     if (
         isinstance(value, jax.Array)
         and not isinstance(value, jax.core.Tracer)

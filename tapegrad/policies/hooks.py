@@ -127,5 +127,10 @@ def saved_tensors_hooks(
     (``inputs=False`` leaves those alone: the caller holds them anyway, so a hook that
     copies them only adds memory). Under `jax.jit` the hooks run once, at trace time,
     on tracers.
+
+    ``unpack_hook(pack_hook(x))`` must have ``x``'s shape and dtype (else
+    `tg.ResidualError`). Differentiated again (``jax.grad(tg.grad(f))``), the unpacked
+    value stands for ``x``, as in PyTorch: the outer derivative flows to ``x`` and the
+    hooks are not differentiated (except inside a ``lax.scan`` body).
     """
     return residual_policy(hooks(pack_hook, unpack_hook, inputs=inputs))
