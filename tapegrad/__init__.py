@@ -15,6 +15,7 @@ from tapegrad.anomaly.detect import (
     is_anomaly_enabled,
     set_detect_anomaly,
 )
+from tapegrad.api.checkpoint import checkpoint, checkpoint_sequential, name
 from tapegrad.api.function import Function, FunctionCtx, once_differentiable
 from tapegrad.api.grad_hook import hook
 from tapegrad.api.gradcheck import gradcheck, gradgradcheck
@@ -23,22 +24,19 @@ from tapegrad.core.caches import clear_caches
 from tapegrad.core.tape import Lit, Record, Saved, Tape, Var
 from tapegrad.display import html, text  # noqa: F401  (register the tape's printers)
 from tapegrad.display.graph import TapeGraph
-from tapegrad.engine.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    checkpoint_sequential,
-    name,
-    selective,
-)
+from tapegrad.engine.checkpoint import CheckpointPolicy, selective
 from tapegrad.errors import (
     AnomalyError,
     DtypeError,
     EffectError,
+    FunctionBackwardError,
+    FunctionGradShapeError,
     GradcheckError,
     HookError,
     InvalidTapeError,
     MissingRuleError,
     NonDifferentiableError,
+    OnceDifferentiableError,
     ProcessMismatchError,
     ResidualError,
     TapegradError,
@@ -64,6 +62,7 @@ __all__ = [
     "Lit",
     "MemoryReport",
     "NonDifferentiableError",
+    "OnceDifferentiableError",
     "Record",
     "ResidualError",
     "ResidualInfo",
@@ -96,6 +95,8 @@ __all__ = [
     "AnomalyMode",
     "DtypeError",
     "EffectError",
+    "FunctionBackwardError",
+    "FunctionGradShapeError",
     "GradcheckError",
     "InvalidTapeError",
     "MissingRuleError",

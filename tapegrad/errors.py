@@ -24,6 +24,9 @@ __all__ = [
     "DtypeError",
     "InvalidTapeError",
     "ProcessMismatchError",
+    "FunctionBackwardError",
+    "OnceDifferentiableError",
+    "FunctionGradShapeError",
 ]
 
 
@@ -48,6 +51,22 @@ class ClosedOverTracerError(ReverseModeError, jax.errors.UnexpectedTracerError):
     def __init__(self, message: str):
         page = "https://docs.jax.dev/en/latest/errors.html#jax.errors.UnexpectedTracerError"
         TypeError.__init__(self, f"Encountered an unexpected tracer. {message}\nSee {page}")
+
+
+class OnceDifferentiableError(NonDifferentiableError, RuntimeError):
+    """A higher-order gradient through a `tg.Function` backward marked
+    ``@tg.once_differentiable``. Also a RuntimeError, what PyTorch raises."""
+
+
+class FunctionBackwardError(TapegradError, RuntimeError, TypeError):
+    """A `tg.Function`'s backward returned the wrong number of gradients, a gradient for
+    a non-array input, or something that is not an array. A RuntimeError, as in PyTorch
+    (and a TypeError, what tapegrad raised before)."""
+
+
+class FunctionGradShapeError(FunctionBackwardError, ValueError):
+    """A `tg.Function`'s backward returned a gradient whose shape the input's does not
+    broadcast to (PyTorch: "returned an invalid gradient ... expected shape")."""
 
 
 class ResidualError(TapegradError, RuntimeError):

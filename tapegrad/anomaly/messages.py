@@ -15,21 +15,36 @@ import jax
 from tapegrad.anomaly.log import current_log, event, origins, summarize_all
 from tapegrad.anomaly.probes import NAN, AnomalyMode, Site, first_bad, locate
 from tapegrad.core.jax_compat import PACKAGE_DIR
-from tapegrad.core.tape import Record, Tape, Var
+from tapegrad.core.tape import Record, Tape, Var, custom_vjp_name, function_name
 from tapegrad.errors import AnomalyError
 
-__all__ = ["describe_record", "feeding_chain", "message", "post_mortem", "producers_of"]
+__all__ = [
+    "describe_record",
+    "feeding_chain",
+    "message",
+    "post_mortem",
+    "producers_of",
+    "record_label",
+]
 
 
 def producers_of(tape: Tape) -> dict[int, Record]:
     return {o.id: r for r in tape.records for o in r.outputs}
 
 
+def record_label(rec: Record) -> str:
+    """How a message names a record: ``Function 'MyFunc'`` for a `tg.Function` (PyTorch
+    names the Function), else its primitive, ``'log'``."""
+    fn = function_name(rec.params) if rec.primitive == "custom_vjp_call" else None
+    return f"'{rec.primitive}'" if fn is None else f"Function '{fn}'"
+
+
 def describe_record(r: Record) -> str:
     outs = " ".join(f"{o}:{o.aval}" for o in r.outputs)
     ins = " ".join(str(i) for i in r.inputs)
     params = r.params_str()
-    params = params if len(params) <= 48 else ""
+    if len(params) > 48:  # too long to read; a custom_vjp keeps its function's name
+        params = f"[name={custom_vjp_name(r.params)}]" if r.primitive == "custom_vjp_call" else ""
     return f"#{r.index} {outs} = {r.primitive}{params} {ins}".rstrip()
 
 
@@ -105,9 +120,10 @@ def message(
     elif site.kind == "forward":
         rec = site.record
         assert rec is not None  # forward and backward sites always carry their record
+        fn = function_name(rec.params) if rec.primitive == "custom_vjp_call" else None
         lines = [
-            f"{bad} in the output of '{rec.primitive}' (record #{rec.index}) at {rec.source}: "
-            f"its output {site.index} ({var}).",
+            f"{bad} in the output of {record_label(rec)} (record #{rec.index}) at "
+            f"{rec.source}: its output {site.index} ({var}).",
             f"It is the first record whose output has {bad}: the function's inputs and "
             "every earlier record's outputs passed the same check.",
             f"Forward record: {describe_record(rec)}",
@@ -115,8 +131,9 @@ def message(
         chain = feeding_chain(rec, producers)
         if chain:
             lines += ["The records that fed it:", *chain]
+        where_ = f"{fn}.forward, called" if fn is not None else f"'{rec.primitive}'"
         lines.append(
-            f"What to do: look at the inputs of '{rec.primitive}' at {rec.source}; the usual "
+            f"What to do: look at the inputs of {where_} at {rec.source}; the usual "
             "causes are log/sqrt/pow of a negative or zero value, 0/0, inf - inf, or an "
             "overflow. If a jnp.where discards these values on purpose, check backward only: "
             "tg.detect_anomaly(forward=False)."
@@ -124,8 +141,9 @@ def message(
     else:
         rec = site.record
         assert rec is not None  # forward and backward sites always carry their record
+        fn = function_name(rec.params) if rec.primitive == "custom_vjp_call" else None
         lines = [
-            f"backward of '{rec.primitive}' (record #{rec.index}) returned {bad} values in "
+            f"backward of {record_label(rec)} (record #{rec.index}) returned {bad} values in "
             f"its {site.index}th output: the cotangent of its input {site.index} ({var}).",
             f"Forward record: {describe_record(rec)}   at {rec.source}",
             "It is the first VJP rule in this backward pass to return "
@@ -134,12 +152,20 @@ def message(
         chain = feeding_chain(rec, producers)
         if chain:
             lines += ["The forward records that fed it:", *chain]
-        lines.append(
-            f"What to do: the derivative of '{rec.primitive}' is not finite at the values it saw "
-            f"at {rec.source} (e.g. log, sqrt or pow at 0, or 0 * inf in the chain rule). Guard "
-            "the argument, not only the result: jnp.where(ok, f(jnp.where(ok, x, 1.0)), 0.0), "
-            "or add an epsilon."
-        )
+        if fn is not None:
+            lines.append(
+                f"What to do: {fn}.backward returned it for the Function called at "
+                f"{rec.source}, from finite cotangents: check what {fn}.backward computes for "
+                f"input {site.index} from ctx.saved_tensors (log, sqrt or a division at 0, or "
+                "0 * inf); tg.gradcheck compares it with finite differences."
+            )
+        else:
+            lines.append(
+                f"What to do: the derivative of '{rec.primitive}' is not finite at the values "
+                f"it saw at {rec.source} (e.g. log, sqrt or pow at 0, or 0 * inf in the chain "
+                "rule). Guard the argument, not only the result: "
+                "jnp.where(ok, f(jnp.where(ok, x, 1.0)), 0.0), or add an epsilon."
+            )
     if traced:
         lines.append(
             "(Checked under a jax trace: raised from a host callback when the compiled call ran.)"

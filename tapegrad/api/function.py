@@ -73,6 +73,9 @@ from tapegrad.api.function_ctx import (
     _Residuals,
 )
 from tapegrad.api.function_once import _tie_outputs, once_differentiable
+from tapegrad.core import jax_compat as compat
+from tapegrad.engine.activity import ACTIVE, INACTIVE, forward_activity, tracing_activity
+from tapegrad.errors import FunctionBackwardError, FunctionGradShapeError
 
 __all__ = ["Function", "FunctionCtx", "once_differentiable"]
 
@@ -106,6 +109,8 @@ class _Spec:
                 self.treedefs.append(None)
                 self.statics.append(a)
         self.in_avals = [(np.shape(x), jnp.result_type(x)) for x in self.leaves]
+        frame = compat.frame_of(compat.current_source_info())  # the user's line, for errors
+        self.site = "<unknown>" if frame is None else f"{frame[0]}:{frame[1]} ({frame[2]})"
 
     def rebuild(self, leaves) -> tuple:
         # jax may hand the custom_vjp's rules a Python-scalar literal (jax.grad(f)(3.0)):
@@ -264,10 +269,18 @@ def _run_forward(cls, spec: _Spec, ctx: FunctionCtx, args: tuple, new_style: boo
     return out
 
 
-def _finish_ctx(ctx: FunctionCtx, out: Any) -> None:
-    """Record what backward needs to know about the outputs."""
+def _finish_ctx(ctx: FunctionCtx, out: Any) -> list:
+    """Record what backward needs to know about the outputs; return the array outputs.
+
+    Only arrays are the custom_vjp's outputs. Everything else ``forward`` returns (None,
+    strings, bools, Python numbers, objects) passes through untouched, as in PyTorch, and
+    gets a None cotangent in ``backward``.
+    """
     leaves, ctx._tg_out_tree = tree_util.tree_flatten(out)
-    ids = {id(x): k for k, x in enumerate(leaves)}
+    ctx._tg_dyn = tuple(k for k, x in enumerate(leaves) if _is_array(x))
+    ctx._tg_statics = tuple(None if _is_array(x) else x for x in leaves)
+    arrays = [leaves[k] for k in ctx._tg_dyn]
+    ids = {id(x): j for j, x in enumerate(arrays)}
     marked = set()
     for o in ctx._tg_non_diff:
         if id(o) not in ids:
@@ -278,50 +291,67 @@ def _finish_ctx(ctx: FunctionCtx, out: Any) -> None:
         marked.add(ids[id(o)])
     ctx._tg_non_diff = []  # the output objects are tracers: do not keep them
     ctx._tg_marked = frozenset(marked)
-    ctx._tg_out_dtypes = tuple(jnp.result_type(x) for x in leaves)
+    ctx._tg_out_dtypes = tuple(jnp.result_type(x) for x in arrays)
     ctx._tg_spread = isinstance(out, tuple)
+    return arrays
+
+
+def _full_output(ctx: FunctionCtx, arrays: Any) -> Any:
+    """``forward``'s output: the custom_vjp's ``arrays`` back among the values that
+    passed through."""
+    leaves = list(ctx._tg_statics)
+    for k, a in zip(ctx._tg_dyn, arrays):
+        leaves[k] = a
+    return tree_util.tree_unflatten(ctx._tg_out_tree, leaves)
+
+
+def _needs_while_traced(spec: _Spec) -> tuple[bool, ...] | None:
+    """``needs_input_grad`` known before ``forward`` runs, when tapegrad is tracing: which
+    inputs depend on a differentiated argument (`tapegrad.engine.activity`).
+
+    None outside a tapegrad trace; for an input staged in a body nested in the trace (a
+    jit, scan or checkpoint body, whose inputs say nothing yet about what is
+    differentiated); and for an inner transformation's tracer (jax.grad's, jax.vmap's).
+    The custom_vjp's own rules then tell: jax stages the primal, and tapegrad's fwd
+    learns what is differentiated once the body's tape is built, so ``forward`` runs
+    twice there, as when a jitted function is differentiated with `jax.grad`. Guessing
+    "every float input" instead would run once but compute unneeded gradients on every
+    call of the compiled program.
+    """
+    if not tracing_activity():
+        return None
+    flags = []
+    for x in spec.leaves:
+        if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+            flags.append(False)
+            continue
+        activity = forward_activity(x)
+        if activity not in (ACTIVE, INACTIVE):
+            return None
+        flags.append(activity == ACTIVE)
+    return spec.needs_input_grad(flags)
 
 
 def _call(cls, spec: _Spec, new_style: bool):
     name = cls.__name__
     n_in = len(spec.treedefs)
+    once_diff = getattr(cls.backward, "_tg_once_differentiable", False)
 
-    def primal(*leaves):
-        args = spec.rebuild(leaves)
-        ctx = FunctionCtx(name, (False,) * n_in)  # nothing is differentiated here
+    def run(args: tuple, needs: tuple[bool, ...]) -> tuple[FunctionCtx, Any, list]:
+        ctx = FunctionCtx(name, needs)
         out = _run_forward(cls, spec, ctx, args, new_style)
-        _finish_ctx(ctx, out)  # the same checks as under differentiation
-        return out
+        return ctx, out, _finish_ctx(ctx, out)
 
-    # jax keeps one residual treedef (which carries the ctx) per custom_vjp_call equation,
-    # and memoizes fwd per perturbed-pattern: when a cached jaxpr (a jitted function) is
-    # differentiated with different patterns, backward for one pattern may receive the ctx
-    # traced for another. needs_input_grad is therefore the union of the patterns seen for
-    # this call, so a reused ctx can only ask for more gradients (which are discarded),
-    # never fewer.
-    seen = [False] * n_in
-
-    def fwd(*prims):
-        args = spec.rebuild([p.value for p in prims])
-        needs = spec.needs_input_grad([p.perturbed for p in prims])
-        seen[:] = [a or b for a, b in zip(seen, needs)]
-        ctx = FunctionCtx(name, tuple(seen))
-        out = _run_forward(cls, spec, ctx, args, new_style)
-        _finish_ctx(ctx, out)
-        if getattr(cls.backward, "_tg_once_differentiable", False):
-            out = _tie_outputs(out, ctx, [p.value for p in prims if p.perturbed])
-        res = _Residuals(ctx._tg_saved, ctx)
-        ctx._tg_saved = ()  # backward gets them from the residuals, not from forward's trace
-        return out, res
+    if not spec.leaves:  # nothing to differentiate: no custom_vjp needed
+        return run(spec.rebuild(()), (False,) * n_in)[1]
 
     def bwd(res: _Residuals, ct: Any):
         ctx = res.ctx
-        ct_leaves = ctx._tg_out_tree.flatten_up_to(ct)
-        g_leaves = []
-        for k, (g, dt) in enumerate(zip(ct_leaves, ctx._tg_out_dtypes)):
-            if k in ctx._tg_marked or _is_no_cotangent(g) or not jnp.issubdtype(dt, jnp.inexact):
+        g_leaves: list = [None] * len(ctx._tg_statics)  # None for what passed through
+        for j, (g, dt) in enumerate(zip(ct, ctx._tg_out_dtypes)):
+            if j in ctx._tg_marked or _is_no_cotangent(g) or not jnp.issubdtype(dt, jnp.inexact):
                 g = jnp.zeros(g.shape, dt) if ctx._tg_materialize else None
-            g_leaves.append(g)
+            g_leaves[ctx._tg_dyn[j]] = g
         grads_out = tree_util.tree_unflatten(ctx._tg_out_tree, g_leaves)
         grads_out = grads_out if ctx._tg_spread else (grads_out,)
         ctx._tg_saved, ctx._tg_in_backward = res.arrays, True
@@ -331,16 +361,86 @@ def _call(cls, spec: _Spec, new_style: bool):
             ctx._tg_saved, ctx._tg_in_backward = (), False
         return tuple(_check_grads(spec, ctx, grads))
 
+    needs = _needs_while_traced(spec)
+    if needs is not None:
+        primal, fwd, ctx = _traced_once(spec, run, needs, once_diff)
+    else:
+        primal, fwd, box = _run_per_rule(spec, run, n_in, once_diff)
+
     primal.__name__ = name
     primal.__qualname__ = cls.__qualname__
     fwd.__name__ = fwd.__qualname__ = f"{name}.forward"
     bwd.__name__ = bwd.__qualname__ = f"{name}.backward"
-
-    if not spec.leaves:  # nothing to differentiate: no custom_vjp needed
-        return primal()
+    bwd._tg_function = name  # type: ignore[attr-defined]  # the anomaly messages' name
     f = jax.custom_vjp(primal)
     f.defvjp(fwd, bwd, symbolic_zeros=True)
-    return f(*spec.leaves)
+    arrays = f(*spec.leaves)
+    return _full_output(ctx if needs is not None else box[0], arrays)
+
+
+def _run_per_rule(spec: _Spec, run, n_in: int, once_diff: bool):
+    """The custom_vjp's primal and fwd, each running ``forward``: jax calls one of them
+    per call (the primal when nothing is differentiated, fwd under jax.grad). ``box``
+    receives the first ctx, for the values that pass through."""
+    box: list = []
+    # jax keeps one residual treedef (which carries the ctx) per custom_vjp_call equation,
+    # and memoizes fwd per perturbed-pattern: when a cached jaxpr (a jitted function) is
+    # differentiated with different patterns, backward for one pattern may receive the ctx
+    # traced for another. needs_input_grad is therefore the union of the patterns seen for
+    # this call, so a reused ctx can only ask for more gradients (which are discarded),
+    # never fewer.
+    seen = [False] * n_in
+
+    def primal(*leaves):
+        ctx, _, arrays = run(spec.rebuild(leaves), (False,) * n_in)  # nothing differentiated
+        box.append(ctx)
+        return tuple(arrays)
+
+    def fwd(*prims):
+        needs = spec.needs_input_grad([p.perturbed for p in prims])
+        seen[:] = [a or b for a, b in zip(seen, needs)]
+        ctx, _, arrays = run(spec.rebuild([p.value for p in prims]), tuple(seen))
+        box.append(ctx)
+        if once_diff:
+            arrays = _tie_outputs(arrays, ctx, [p.value for p in prims if p.perturbed])
+        res = _Residuals(ctx._tg_saved, ctx)
+        ctx._tg_saved = ()  # backward gets them from the residuals, not from forward's trace
+        return tuple(arrays), res
+
+    return primal, fwd, box
+
+
+def _traced_once(spec: _Spec, run, needs: tuple[bool, ...], once_diff: bool):
+    """Under a tapegrad trace: run ``forward`` once, now, with the ``needs_input_grad``
+    the trace knows, into a jaxpr of its outputs and saved arrays, which the custom_vjp's
+    primal and fwd replay. Without this, jax traces the primal to stage the call and
+    tapegrad then traces fwd for its residuals: ``forward`` would run twice, first
+    with every ``needs_input_grad`` False."""
+    cell: list = []
+
+    def forward_and_saved(*leaves):
+        ctx, _, arrays = run(spec.rebuild(leaves), needs)
+        cell.append(ctx)
+        return tuple(arrays), ctx._tg_saved
+
+    closed, shapes = jax.make_jaxpr(forward_and_saved, return_shape=True)(*spec.leaves)
+    (ctx,) = cell
+    ctx._tg_saved = ()  # tracers of the finished trace: backward gets the residuals
+    tree = tree_util.tree_structure(shapes)
+
+    def replay(leaves) -> tuple:
+        return tree_util.tree_unflatten(tree, compat.eval_closed_jaxpr(closed, *leaves))
+
+    def primal(*leaves):
+        return replay(leaves)[0]
+
+    def fwd(*prims):
+        arrays, saved = replay([p.value for p in prims])
+        if once_diff:
+            arrays = _tie_outputs(list(arrays), ctx, [p.value for p in prims if p.perturbed])
+        return tuple(arrays), _Residuals(tuple(saved), ctx)
+
+    return primal, fwd, ctx
 
 
 def _check_grads(spec: _Spec, ctx: FunctionCtx, grads: Any) -> list:
@@ -352,10 +452,12 @@ def _check_grads(spec: _Spec, ctx: FunctionCtx, grads: Any) -> list:
     if len(grads) > n and all(g is None for g in grads[n:]):
         grads = grads[:n]  # trailing Nones are allowed, as in PyTorch
     if len(grads) != n:
-        raise TypeError(
-            f"{name}.backward returned {len(grads)} gradient(s), but {name}.forward takes "
-            f"{n} input(s) ({', '.join(spec.arg_names)}). Return one entry per forward input, "
-            "None for inputs that need no gradient."
+        raise FunctionBackwardError(
+            f"function {name}Backward returned an incorrect number of gradients (expected "
+            f"{n}, got {len(grads)}): {name}.backward returned {len(grads)} gradient(s), but "
+            f"{name}.forward takes {n} input(s) ({', '.join(spec.arg_names)}); it was called "
+            f"at {spec.site}. Return one entry per forward input, None for inputs that need no "
+            "gradient."
         )
     out: list = []
     it = iter(spec.in_avals)
@@ -363,9 +465,12 @@ def _check_grads(spec: _Spec, ctx: FunctionCtx, grads: Any) -> list:
         what = f"input {i} ({spec.arg_names[i]!r})"
         if td is None:
             if g is not None:
-                raise TypeError(
+                raise FunctionBackwardError(
+                    f"function {name}Backward returned a gradient different than None at "
+                    f"position {i + 1}, but the corresponding forward input was not an array: "
                     f"{name}.backward returned a gradient for {what}, which is not an array "
-                    f"(a {type(spec.statics[i]).__name__}); return None for it."
+                    f"(a {type(spec.statics[i]).__name__}); return None for it. {name} was "
+                    f"called at {spec.site}."
                 )
             continue
         xs = [next(it) for _ in range(td.num_leaves)]
@@ -375,20 +480,23 @@ def _check_grads(spec: _Spec, ctx: FunctionCtx, grads: Any) -> list:
         try:
             gs = td.flatten_up_to(g)
         except (TypeError, ValueError):
-            raise TypeError(
+            raise FunctionBackwardError(
                 f"{name}.backward returned a gradient for {what} with structure "
-                f"{tree_util.tree_structure(g)}, but the input has structure {td}."
+                f"{tree_util.tree_structure(g)}, but the input has structure {td} (forward "
+                f"called at {spec.site}). Return a gradient with the input's structure."
             ) from None
         for x, gl in zip(xs, gs):
-            out.append(None if gl is None else _fit_grad(name, what, gl, x))
+            out.append(None if gl is None else _fit_grad(spec, i, what, gl, x))
     return out
 
 
-def _fit_grad(name: str, what: str, g: Any, aval: tuple):
+def _fit_grad(spec: _Spec, i: int, what: str, g: Any, aval: tuple):
+    name = spec.name
     if not _is_array(g) and not isinstance(g, (int, float, complex)):
-        raise TypeError(
-            f"{name}.backward returned a {type(g).__name__} as the gradient of "
-            f"{what}; return an array (or None)."
+        raise FunctionBackwardError(
+            f"expected an array or None (got {type(g).__name__}): {name}.backward returned a "
+            f"{type(g).__name__} as the gradient of {what} (forward called at {spec.site}); "
+            "return an array (or None)."
         )
     g = jnp.asarray(g)
     want_shape, want_dtype = aval
@@ -400,10 +508,12 @@ def _fit_grad(name: str, what: str, g: Any, aval: tuple):
         except ValueError:
             ok = False
         if not ok:
-            raise ValueError(
+            raise FunctionGradShapeError(
+                f"Function {name}Backward returned an invalid gradient at index {i} - got "
+                f"{list(g.shape)} but expected shape compatible with {list(want_shape)}. "
                 f"{name}.backward returned a gradient of shape {g.shape} for {what} of shape "
-                f"{want_shape}. Return a gradient shaped like the input (or one the input "
-                "broadcasts to, which is summed down)."
+                f"{want_shape} (forward called at {spec.site}). Return a gradient shaped like "
+                "the input (or one the input broadcasts to, which is summed down)."
             )
         lead = g.ndim - len(want_shape)
         axes = tuple(range(lead)) + tuple(

@@ -55,7 +55,9 @@ class FunctionCtx:
 
     # Set by _finish_ctx once forward has run (declared here for the type checker only).
     _tg_out_tree: Any  # jax PyTreeDef
-    _tg_marked: frozenset[int]
+    _tg_dyn: tuple[int, ...]  # the output leaves that are arrays (the custom_vjp's outputs)
+    _tg_statics: tuple[Any, ...]  # per output leaf: the value that passed through, or None
+    _tg_marked: frozenset[int]  # indices into the array outputs
     _tg_out_dtypes: tuple[Any, ...]
     _tg_spread: bool
 

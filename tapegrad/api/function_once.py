@@ -14,7 +14,7 @@ import numpy as np
 from jax import tree_util
 
 from tapegrad.api.function_ctx import FunctionCtx, _is_array, _is_jax_value
-from tapegrad.errors import NonDifferentiableError
+from tapegrad.errors import OnceDifferentiableError
 
 __all__ = ["once_differentiable"]
 
@@ -24,7 +24,8 @@ def once_differentiable(fn: Callable) -> Callable:
 
     The backward runs on values that carry no derivative (so it may use ops jax
     cannot differentiate), and asking for a second-order gradient through it
-    (`tg.grad(tg.grad(f))`, `jax.jacrev(jax.grad(f))`, ...) raises `tg.NonDifferentiableError`
+    (`tg.grad(tg.grad(f))`, `jax.jacrev(jax.grad(f))`, ...) raises
+    `tg.OnceDifferentiableError` (a `tg.NonDifferentiableError` and a RuntimeError)
     instead of silently returning a wrong (zero) result.
 
     ```python
@@ -117,11 +118,12 @@ def _once_barrier(name: str):
         return outs, None
 
     def bwd(_, ct):
-        raise NonDifferentiableError(
-            f"{name}.backward is decorated with @tg.once_differentiable, so it cannot be "
-            "differentiated, but a higher-order gradient through it was requested. Remove "
-            "@once_differentiable and write backward with differentiable jax ops to "
-            "support double backward."
+        raise OnceDifferentiableError(
+            "trying to differentiate twice a function that was marked with "
+            f"@once_differentiable: {name}.backward is decorated with @tg.once_differentiable, "
+            "so it cannot be differentiated, but a higher-order gradient through it was "
+            "requested. Remove @once_differentiable and write backward with differentiable "
+            "jax ops to support double backward."
         )
 
     barrier.__name__ = barrier.__qualname__ = f"{name}.backward[once_differentiable]"

@@ -182,6 +182,11 @@ def custom_vjp_backward(params: dict, res: list, cts: list) -> list:
     ]
 
 
+def custom_vjp_bwd_function(params: dict) -> Any:
+    """The Python function a ``custom_vjp_call``'s backward wraps (jax's ``WrappedFun.f``)."""
+    return getattr(params.get("bwd"), "f", None)
+
+
 def bwd_checks_disabled() -> bool:
     """Whether ``jax.config.disable_bwd_checks`` is on: jax then passes a custom bwd rule's
     cotangents on whatever their shape (no public reader of that config state)."""
@@ -436,6 +441,52 @@ def trace_is_alive(tracer: Any) -> bool:
     trace = getattr(tracer, "_trace", None)
     with take_current_trace() as current:
         return trace is current and (trace is None or trace.is_valid())
+
+
+# ----------------------------------------------------------- forward activity
+# A value staged by jax.make_jaxpr knows the equation that produced it (its ``parent``,
+# whose ``in_tracers`` are its operands): enough to tell, while tracing, whether it
+# depends on a given input. No public spelling; where the layout differs, None (unknown).
+
+
+def staging_trace(x: Any) -> Any:
+    """The make_jaxpr trace staging ``x`` (a ``DynamicJaxprTracer``), else None."""
+    if type(x).__name__ != "DynamicJaxprTracer":
+        return None
+    return getattr(x, "_trace", None)
+
+
+def trace_of(x: Any) -> Any:
+    """The trace a tracer belongs to."""
+    return getattr(x, "_trace", None)
+
+
+def parent_trace(trace: Any) -> Any:
+    """The trace that was current when ``trace`` was made (None at the bottom)."""
+    return getattr(trace, "parent_trace", None)
+
+
+def staged_var(x: Any) -> Any:
+    """The jaxpr variable a staged tracer stands for (its identity while tracing)."""
+    return getattr(x, "val", x)
+
+
+def staged_primitive(x: Any) -> str | None:
+    """The name of the primitive whose equation produced the staged tracer ``x``."""
+    prim = getattr(getattr(x, "parent", None), "primitive", None)
+    return getattr(prim, "name", None)
+
+
+def staged_operands(x: Any) -> list | None:
+    """The operands of the equation that produced the staged tracer ``x``: [] for an input
+    or a constant of its trace, None when this jax's tracers do not say."""
+    if not hasattr(x, "parent"):
+        return None
+    parent = x.parent
+    if parent is None:
+        return []
+    ins = getattr(parent, "in_tracers", None)
+    return None if ins is None else list(ins)
 
 
 # ----------------------------------------------------------- placement

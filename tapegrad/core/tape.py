@@ -33,6 +33,7 @@ __all__ = [
     "register_printer",
     "is_differentiable_dtype",
     "custom_vjp_name",
+    "function_name",
 ]
 
 
@@ -590,3 +591,9 @@ def custom_vjp_name(params) -> str:
     decorated function's name. ``custom_vjp_name(record.params)``."""
     debug = getattr(params["call_jaxpr"].jaxpr, "debug_info", None)
     return getattr(debug, "func_name", None) or "<custom_vjp>"
+
+
+def function_name(params) -> str | None:
+    """The class name of the `tg.Function` a ``custom_vjp_call`` record runs, else None
+    (a plain `jax.custom_vjp`): errors then say "Function 'MyFunc'", as PyTorch's do."""
+    return getattr(compat.custom_vjp_bwd_function(params), "_tg_function", None)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import math
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any, TypeGuard
@@ -42,9 +41,6 @@ __all__ = [
     "CheckpointPolicy",
     "Selective",
     "selective",
-    "checkpoint",
-    "name",
-    "checkpoint_sequential",
     "plan_recompute",
 ]
 
@@ -129,71 +125,6 @@ def selective(fn: Callable[[Record], Any], base: Any = None) -> Selective:
     ```
     """
     return Selective(fn, base)
-
-
-def checkpoint(
-    fun: Callable,
-    policy: Any = None,
-    *,
-    prevent_cse: bool = True,
-    static_argnums: int | tuple[int, ...] = (),
-) -> Callable:
-    """Recompute ``fun``'s residuals in backward instead of keeping them.
-
-    Built on `jax.checkpoint`, so the same code runs under `jax.grad`.
-    ``policy`` is a `tg.selective` policy or any `jax.checkpoint_policies` policy.
-    """
-    return jax.checkpoint(
-        fun, policy=policy, prevent_cse=prevent_cse, static_argnums=static_argnums
-    )
-
-
-def name(x: Any, name: str) -> Any:
-    """Tag a value for policies (`jax.ad_checkpoint.checkpoint_name`)."""
-    from jax.ad_checkpoint import checkpoint_name
-
-    return checkpoint_name(x, name)
-
-
-def checkpoint_sequential(
-    functions: Sequence[Callable], segments: int | str, input: Any, *more: Any, policy: Any = None
-) -> Any:
-    """PyTorch's ``checkpoint_sequential``: run ``functions`` in order, checkpointing
-    ``segments`` equal-length chunks; the last chunk is not checkpointed.
-
-    ``segments="sqrt"`` uses ``round(sqrt(len(functions)))`` chunks. ``policy`` (a
-    `tg.selective` or `jax.checkpoint_policies` policy for each chunk) is keyword-only.
-    """
-    if more:
-        raise TypeError(
-            f"checkpoint_sequential() takes 3 positional arguments (functions, segments, "
-            f"input) but {3 + len(more)} were given. The chain takes one input: pass several "
-            "values as one tuple (the first function receives it), and policy= by keyword."
-        )
-    n = len(functions)
-    if n == 0:
-        return input
-    if segments == "sqrt":
-        segments = max(1, round(math.sqrt(n)))
-    if not isinstance(segments, int) or segments < 1:
-        raise ValueError(
-            f"checkpoint_sequential: segments must be a positive int or 'sqrt', got {segments!r}."
-        )
-    segments = min(segments, n)
-    size = n // segments
-
-    def run(fs, x):
-        for f in fs:
-            x = f(x)
-        return x
-
-    x = input
-    start = 0
-    for _ in range(segments - 1):
-        chunk = tuple(functions[start : start + size])
-        x = checkpoint(functools.partial(run, chunk), policy=policy)(x)
-        start += size
-    return run(functions[start:], x)
 
 
 # ---------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from tapegrad.core.tape import (
     as_dtype,
     is_differentiable_dtype,
 )
+from tapegrad.engine.activity import marking_active
 from tapegrad.engine.concrete_trace import is_concrete, record_jaxpr
 from tapegrad.engine.loops.saves import outer_saves
 from tapegrad.engine.tape_cache import _TAPES, param_key, tape_key, with_values
@@ -241,7 +242,8 @@ def trace_flat(
     closed = None
     if not recorded:
         try:
-            closed = jax.make_jaxpr(flat_fun)(*flat_args)
+            # marking_active: a tg.Function traced here learns which inputs need a gradient.
+            closed = jax.make_jaxpr(marking_active(flat_fun, active_inputs))(*flat_args)
         except compat.NEEDS_CONCRETE:
             # Python control flow on values (`if x > 0:`): jax.grad runs such a function
             # on concrete values, and so do we when the inputs are concrete (not under jit).
