@@ -39,7 +39,11 @@ EXACT_CHEAP = frozenset(
         "expand_dims",
         "transpose",
         "slice",
-        "unstack",
+        "unstack",  # jax 0.11 splits ``k1, k2 = split(key)`` with it (0.10: slice, squeeze)
+        "concatenate",
+        # iota: one-hot labels (``y[:, None] == iota``) and index arithmetic (labels
+        # made into gather indices) are rebuilt too
+        "iota",
     }
 )
 # Also cheap to run again, though transcendental, rounding or padding: what a plan that
@@ -67,7 +71,6 @@ CHEAP = EXACT_CHEAP | frozenset(
         "erf",
         "erf_inv",
         "split",
-        "concatenate",
         "pad",
         "rev",
         "copy",
@@ -80,6 +83,5 @@ CHEAP = EXACT_CHEAP | frozenset(
         "floor",
         "ceil",
         "reduce_precision",
-        "iota",
     }
 )
