@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import live_bytes_by_kind
 from jax import tree_util
 
 import tapegrad as tg
@@ -93,3 +94,17 @@ def test_retain_residuals_false_still_releases_after_one_call():
     assert tree_util.tree_leaves(vjp_fn) == []  # released during the first backward
     with pytest.raises(tg.errors.ResidualError, match="second time"):
         vjp_fn(CT)
+
+
+def test_a_jitted_vjp_keeps_nothing_once_its_vjp_fn_is_gone():
+    """jax's dispatch cache keeps the treedef of a jitted function's first outputs; the
+    vjp_fn's aux data holds the residuals' bookkeeping, not their values, so what
+    ``del vjp_fn`` frees is freed while the jitted function lives on."""
+    step = jax.jit(lambda x: tg.vjp(f, x))
+    xs = (X, 2 * X)  # the first call fills the cache, the second runs from it
+    before = live_bytes_by_kind()
+    for x in xs:
+        out, vjp_fn = step(x)
+        np.testing.assert_allclose(vjp_fn(CT)[0], jax.vjp(f, x)[1](CT)[0], rtol=1e-5)
+        del out, vjp_fn
+        assert live_bytes_by_kind() == before

@@ -127,23 +127,32 @@ def _flatten_saved(s: _SavedValues):
 
 def _unflatten_saved(aux, values) -> _SavedValues:
     keys, frame = aux
-    old = frame.res
-    res = Residuals(old.policy)
-    for name in Residuals.__slots__:
-        if name != "store":
-            setattr(res, name, getattr(old, name))
-    res.refs = dict(old.refs)
+    res = _without_values(frame.res)
+    res.refs = dict(res.refs)
     res.store = dict(zip(keys, values))
     return _SavedValues(res)
 
 
+def _without_values(old: Residuals) -> Residuals:
+    res = Residuals(old.policy)
+    for name in Residuals.__slots__:
+        if name != "store":
+            setattr(res, name, getattr(old, name))
+    return res
+
+
 class _Frame:
-    """The residuals' bookkeeping (keys, refs, policy), compared by identity."""
+    """The residuals' bookkeeping (keys, refs, policy), compared by identity.
+
+    Without their values: a treedef holds its aux data, and jax keeps some treedefs (a
+    jitted function's dispatch cache keeps its first call's output treedef), so a frame
+    holding the store would keep that call's residuals alive as long as the jitted
+    function, after its ``vjp_fn`` is gone."""
 
     __slots__ = ("res",)
 
     def __init__(self, res: Residuals):
-        self.res = res
+        self.res = _without_values(res)
 
 
 tree_util.register_pytree_node(_SavedValues, _flatten_saved, _unflatten_saved)

@@ -73,7 +73,6 @@ PLANNER_ABOVE_SAVE = (
 )
 
 XFAIL = {
-    ("constant-direct", "memory"): "memory_report counts 4 B fewer than del vjp_fn frees",
     ("adaptive-backsolve", "budget"): PLANNER_ABOVE_SAVE,
 }
 

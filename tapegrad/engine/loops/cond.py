@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from tapegrad.core.tape import Record
@@ -38,7 +39,7 @@ def _cond_forward(rec: Record, ins: list, res, observer=None) -> tuple[list, _St
         # Only outside a trace: under one, the branch's residuals must leave as values
         # (a `_Stored`'s leaves), not held in its static part, even when the index is a
         # constant of the traced program.
-        b = int(min(max(int(idx), 0), n - 1))
+        b = min(max(_branch_index(idx), 0), n - 1)
         child = _child(observer, rec.bodies[b])
         outs, r = _body_forward(rec.bodies[b], list(ops), res, rec, fwd, child)
         if child is not None:
@@ -66,6 +67,14 @@ def _cond_forward(rec: Record, ins: list, res, observer=None) -> tuple[list, _St
         if observer is not None:
             observer.add_loop(rec, children[c], union[c][1][None], [c])
     return list(outs), _Stored(skel=skels, keys=keys, values=[u[0] for u in union])
+
+
+def _branch_index(idx) -> int:
+    """The Python int of a concrete index, read through ``np.asarray``: ``int(idx)`` on a
+    jax array reads ``idx._value``, which on CPU leaves a second array aliasing ``idx``'s
+    buffer alive for as long as ``idx`` is, and ``idx`` is a residual (the backward
+    switch's index), so ``jax.live_arrays()`` would count its bytes twice."""
+    return int(np.asarray(idx))
 
 
 def _switch_union(idx, branch_fn, n: int, ops, platforms=None):
