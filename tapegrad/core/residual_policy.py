@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tapegrad.core.tape import device_nbytes
+from tapegrad.core.sizes import device_nbytes, sharding_of
 
 __all__ = [
     "ResidualPolicy",
@@ -92,7 +92,7 @@ class ResidualInfo:
         """Bytes of one packed value (one step's, inside a loop) that one device holds:
         the shard's, when the value's type is sharded over a mesh (Explicit axes)."""
         saved = self.saved
-        sharding = getattr(saved, "sharding", None) if saved is not None else None
+        sharding = sharding_of(saved) if saved is not None else None
         if sharding is not None and tuple(saved.shape) != tuple(self.shape):
             sharding = None
         return device_nbytes(tuple(self.shape), self.dtype, sharding)

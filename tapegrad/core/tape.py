@@ -7,7 +7,6 @@ runs (values, residual stores, cotangents) lives in the interpreter.
 
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 from collections.abc import Callable, Mapping
@@ -20,6 +19,7 @@ import numpy as np
 
 from tapegrad.core import jax_compat as compat
 from tapegrad.core.caches import LookupTable
+from tapegrad.core.sizes import as_dtype, device_nbytes, itemsize, sharding_of
 
 __all__ = [
     "Var",
@@ -37,18 +37,6 @@ __all__ = [
 ]
 
 
-def as_dtype(dtype: Any) -> Any:
-    """A numpy dtype, or jax's own for extended dtypes (PRNG keys)."""
-    try:
-        return np.dtype(dtype)
-    except TypeError:
-        return dtype
-
-
-def itemsize(dtype: Any) -> int:
-    return int(getattr(as_dtype(dtype), "itemsize", 0))
-
-
 def _short_dtype(dtype: np.dtype) -> str:
     d = as_dtype(dtype)
     if not isinstance(d, np.dtype):
@@ -62,45 +50,6 @@ def _short_dtype(dtype: np.dtype) -> str:
 
 def aval_str(shape: tuple[int, ...], dtype: Any) -> str:
     return f"{_short_dtype(dtype)}[{','.join(map(str, shape))}]"
-
-
-def device_nbytes(shape: tuple[int, ...], dtype: Any, sharding: Any = None) -> int:
-    """Bytes one device holds of a value of this type. A type-level sharding over a mesh
-    (jax's Explicit axes: ``aval.sharding``) splits the value into shards, and a device
-    holds one: what a per-device budget must count. Auto axes leave the sharding to the
-    compiler, so the type says nothing and the whole value is counted (an upper bound;
-    `tg.memory_report` measures the real arrays' shards)."""
-    if sharding is None:
-        return math.prod(shape) * itemsize(dtype)
-    try:
-        return _shard_nbytes(tuple(shape), dtype, sharding)
-    except TypeError:  # an unhashable sharding
-        return _shard_nbytes.__wrapped__(tuple(shape), dtype, sharding)
-
-
-@functools.lru_cache(maxsize=4096)
-def _shard_nbytes(shape: tuple[int, ...], dtype: Any, sharding: Any) -> int:
-    n = math.prod(shape) * itemsize(dtype)
-    mesh = getattr(sharding, "mesh", None)
-    if n == 0 or mesh is None or getattr(mesh, "empty", True):
-        return n
-    try:
-        return math.prod(sharding.shard_shape(shape)) * itemsize(dtype)
-    except Exception:  # noqa: BLE001 -- a shape the spec does not divide: count it whole
-        return n
-
-
-def array_nbytes(x: Any) -> int:
-    """Bytes one device holds of a concrete array: its shard's (a replicated array: all
-    of it); numpy arrays and scalars: their size."""
-    sharding = getattr(x, "sharding", None)
-    shape = getattr(x, "shape", None)
-    if sharding is None or shape is None or len(getattr(sharding, "device_set", ())) <= 1:
-        return int(getattr(x, "nbytes", 0))
-    try:
-        return math.prod(sharding.shard_shape(tuple(shape))) * itemsize(x.dtype)
-    except Exception:  # noqa: BLE001
-        return int(x.nbytes)
 
 
 def _letters(n: int) -> str:
@@ -122,12 +71,15 @@ class Var:
     # The value's type-level sharding (``aval.sharding``) as traced; rules whose
     # backward must name an output sharding under Explicit mesh axes read it.
     sharding: Any = field(default=None, compare=False, repr=False)
+    # Where the value lives on an Auto mesh when the tape runs eagerly, a concrete
+    # sharding (`tapegrad.engine.placement`); sizes only, no rule reads it.
+    placement: Any = field(default=None, compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:
-        """Bytes one device holds: the shard's, when the value's type is sharded over a
-        mesh (jax's Explicit axes), since that is what must fit; else the whole value's."""
-        return device_nbytes(self.shape, self.dtype, self.sharding)
+        """Bytes one device holds: the shard's, where the value's type (Explicit axes) or
+        placement (Auto axes) says it is sharded; else the whole value's."""
+        return device_nbytes(self.shape, self.dtype, sharding_of(self))
 
     @property
     def global_nbytes(self) -> int:
@@ -173,8 +125,10 @@ class Saved:
     index: int
     shape: tuple[int, ...]
     dtype: np.dtype
-    # The value's type-level sharding when it is a record's input or output (see Var).
+    # The value's type-level sharding and placement when it is a record's input or
+    # output (see Var).
     sharding: Any = field(default=None, compare=False, repr=False)
+    placement: Any = field(default=None, compare=False, repr=False)
     # This record's backward reads only where the value (>= 0) is positive: relu's mask
     # ``x > 0`` read off its output ``relu(x)`` instead of kept. A lossy policy may keep
     # the value as it likes provided zeros stay zero and positives positive
@@ -187,8 +141,8 @@ class Saved:
 
     @property
     def nbytes(self) -> int:
-        """Bytes one device holds (the shard's under a type-level sharding, see Var)."""
-        return device_nbytes(self.shape, self.dtype, self.sharding)
+        """Bytes one device holds (the shard's where its sharding is known, see Var)."""
+        return device_nbytes(self.shape, self.dtype, sharding_of(self))
 
     def __str__(self) -> str:
         tag = {"in": "in", "out": "out", "aux": "aux"}[self.kind]

@@ -36,6 +36,7 @@ from tapegrad.core.tape import (
 from tapegrad.engine.activity import marking_active
 from tapegrad.engine.concrete_trace import is_concrete, record_jaxpr
 from tapegrad.engine.loops.saves import outer_saves
+from tapegrad.engine.placement import place
 from tapegrad.engine.tape_cache import _TAPES, param_key, tape_key, with_values
 from tapegrad.errors import ClosedOverTracerError, ReverseModeError
 from tapegrad.rules import FALLBACK, NONDIFF, WHILE_ERROR, lookup
@@ -264,7 +265,7 @@ def trace_flat(
     cached = _TAPES.get(key) if key is not None else None
     if cached is not None:
         tape, old_lits = cached
-        return with_values(tape, closed.consts, old_lits, lits)
+        return place(with_values(tape, closed.consts, old_lits, lits), flat_args)
     try:
         tape, top_lits = _build(closed, active_inputs, diff, in_tree, out_tree, top=True)
     except ClosesOverTracer as e:
@@ -287,7 +288,7 @@ def trace_flat(
             o.shape == tuple(n.aval.shape) for o, n in zip(top_lits, lits)
         ):  # the same literals, read in the same order
             _TAPES.put(key, (with_values(tape, [None] * len(tape.consts), [], []), top_lits))
-    return tape
+    return place(tape, flat_args)  # after the cache: placements follow the arguments
 
 
 def _closure_message(e: ClosesOverTracer) -> str:

@@ -33,8 +33,9 @@ import numpy as np
 
 from tapegrad.core.processes import text_from_process_zero
 from tapegrad.core.residual_policy import register_auto_prefetch
+from tapegrad.core.sizes import device_nbytes as _nbytes
+from tapegrad.core.sizes import sharding_of
 from tapegrad.core.tape import Record, Tape, Var, itemsize
-from tapegrad.core.tape import device_nbytes as _nbytes
 from tapegrad.policies._groups import layout_for, type_shards
 from tapegrad.policies._lowbit import (
     key_words,
@@ -277,8 +278,8 @@ def segment_flops(tape: Tape, seg: Any) -> float:
 def device_nbytes(var: Any) -> int:
     """Bytes ``var`` (a `Var` or `Saved`: shape, dtype, optional traced sharding) takes on
     one device: the shard's size when its sharding names a mesh, else the whole value
-    (`tapegrad.core.tape.device_nbytes`)."""
-    return _nbytes(tuple(var.shape), var.dtype, getattr(var, "sharding", None))
+    (`tapegrad.core.sizes.device_nbytes`)."""
+    return _nbytes(tuple(var.shape), var.dtype, sharding_of(var))
 
 
 def _lowbit_nbytes(bits: int, shape: tuple[int, ...], dtype: Any, sharding: Any) -> int:
@@ -286,6 +287,12 @@ def _lowbit_nbytes(bits: int, shape: tuple[int, ...], dtype: Any, sharding: Any)
     out a value of this type (`_groups.type_shards`). Its groups never cross a shard,
     so every device holds an equal part of them."""
     shards = type_shards(shape, sharding)
+    if shards is None and isinstance(getattr(sharding, "mesh", None), jax.sharding.Mesh):
+        try:  # a placed value (Auto axes, eagerly): compress groups the concrete shard
+            local = sharding.shard_shape(shape)
+            shards = tuple(n // s if s else 1 for n, s in zip(shape, local))
+        except Exception:  # noqa: BLE001 -- the whole value, as XLA may place it
+            shards = None
     total = packed_nbytes(layout_for(shape, shards, DEFAULT_GROUP, 8 // bits), bits, dtype)
     return total // math.prod(shards or ())
 

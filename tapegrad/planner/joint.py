@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from tapegrad.core.sizes import sharding_of
 from tapegrad.core.tape import Tape
 from tapegrad.planner.cost import LOWBIT, CostModel, compressed_nbytes, device_nbytes
 from tapegrad.planner.problem import _uses, segment_cost
@@ -216,7 +217,7 @@ def options(
             if m == "offload":
                 S[k, j], C[k, j], sec[k, j], ok[k, j] = 0, b, costs.offload_s(b), True
             elif not (m in LOWBIT and exact):
-                sharding = getattr(v, "sharding", None)
+                sharding = sharding_of(v)
                 c = compressed_nbytes(m, tuple(v.shape), v.dtype, b, sharding)
                 if c is not None and c < b:
                     S[k, j], C[k, j], ok[k, j] = c, b, True

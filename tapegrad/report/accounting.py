@@ -16,7 +16,8 @@ import jax
 from jax import tree_util
 
 from tapegrad.core.residual_policy import wrapped
-from tapegrad.core.tape import Record, Tape, array_nbytes, as_dtype
+from tapegrad.core.sizes import array_nbytes, as_dtype
+from tapegrad.core.tape import Record, Tape
 from tapegrad.engine.loops.common import _Stored
 from tapegrad.engine.loops.saves import forwarded_ids
 from tapegrad.engine.loops.schedule import _Segmented

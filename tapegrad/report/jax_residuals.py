@@ -29,7 +29,7 @@ from jax import tree_util
 
 from tapegrad.api.traced import argnums_tuple
 from tapegrad.core import jax_compat as compat
-from tapegrad.core.tape import array_nbytes, as_dtype
+from tapegrad.core.sizes import array_nbytes, as_dtype
 from tapegrad.display.common import clip
 from tapegrad.display.jax_residuals import jax_residuals_html, jax_residuals_text
 from tapegrad.engine.trace import frame_str
