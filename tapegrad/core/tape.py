@@ -125,15 +125,16 @@ class Saved:
     index: int
     shape: tuple[int, ...]
     dtype: np.dtype
-    # The value's type-level sharding and placement when it is a record's input or
-    # output (see Var).
+    # The value's type-level sharding when it is a record's input or output (see Var).
     sharding: Any = field(default=None, compare=False, repr=False)
-    placement: Any = field(default=None, compare=False, repr=False)
     # This record's backward reads only where the value (>= 0) is positive: relu's mask
     # ``x > 0`` read off its output ``relu(x)`` instead of kept. A lossy policy may keep
     # the value as it likes provided zeros stay zero and positives positive
     # (`compress(bits=...)` does, `_lowbit`'s zero-exact codes).
     reads_positive: bool = False
+    # Its placement on an Auto mesh (see Var). Last: callers pass the fields above by
+    # position.
+    placement: Any = field(default=None, compare=False, repr=False)
 
     @property
     def ref(self) -> tuple[str, int]:
