@@ -182,9 +182,9 @@ class Capabilities:
 
     ``base``: the policy it wraps, or None; the per-record and per-loop members are
     None where the policy declares none (a planner's ``choose`` is its base's).
-    ``prefetch`` is not kept: a budget sets it as it plans (`resolve_prefetch`)."""
+    ``prefetch`` and ``costs`` are not kept: a budget sets its prefetch as it plans, and
+    both are read when backward runs (`resolve_prefetch`)."""
 
-    policy: Any
     base: Any
     choose: Callable | None
     decide: Callable | None
@@ -192,7 +192,6 @@ class Capabilities:
     loop_segment: Callable | None
     loop_schedule: Callable | None
     loop_snapshots: Callable | None
-    costs: Any
 
     @property
     def planner_choose(self) -> Callable | None:
@@ -204,7 +203,6 @@ def capabilities(policy: Any) -> Capabilities:
     """The optional members ``policy`` declares, in one object."""
     get = functools.partial(declared, policy)
     return Capabilities(
-        policy,
         get("base"),
         get("choose"),
         get("decide"),
@@ -212,7 +210,6 @@ def capabilities(policy: Any) -> Capabilities:
         get("loop_segment"),
         get("loop_schedule"),
         get("loop_snapshots"),
-        get("costs"),
     )
 
 
