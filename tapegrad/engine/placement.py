@@ -34,7 +34,7 @@ from tapegrad.core.caches import BoundedCache
 from tapegrad.core.keys import NoKey, value_key
 from tapegrad.core.tape import Lit, Record, Saved, Tape, Var
 
-__all__ = ["place"]
+__all__ = ["constrained", "place"]
 
 # The value is whole on every device it is on (replicated, on one device, a numpy
 # array or a constant): its placement stays None, and it counts whole, exactly.
@@ -43,16 +43,23 @@ _WHOLE = "whole"
 _OUT_SHARDINGS = BoundedCache("placement.out_shardings", max_entries=4096)
 
 
-def place(tape: Tape, flat_args: Sequence[Any]) -> Tape:
+def constrained(tape: Tape) -> bool:
+    """Whether a record of ``tape`` names a concrete sharding (`place`'s ``constrained``:
+    a fact of the records alone, which a tape cache keeps with its tape)."""
+    return any(_constraint(r) is not None for r in tape.records)
+
+
+def place(tape: Tape, flat_args: Sequence[Any], constrained_: bool | None = None) -> Tape:
     """``tape`` with each value's `Var.placement` where XLA shards it when the tape runs
-    eagerly on ``flat_args`` (the tape itself when no value is known to be sharded)."""
+    eagerly on ``flat_args`` (the tape itself when no value is known to be sharded).
+    ``constrained_``: `constrained(tape)`, when the caller has it already."""
     known: dict[int, Any] = {}
     for v, x in zip(tape.inputs, flat_args):
         known[v.id] = _arg_sharding(v, x)
     for v, c in tape.consts:
         known[v.id] = _arg_sharding(v, c)
-    if not any(_sharded(s) for s in known.values()) and not any(
-        _constraint(r) is not None for r in tape.records
+    if not any(_sharded(s) for s in known.values()) and not (
+        constrained(tape) if constrained_ is None else constrained_
     ):
         return tape
     for rec in tape.records:

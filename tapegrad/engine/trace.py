@@ -36,7 +36,7 @@ from tapegrad.core.tape import (
 from tapegrad.engine.activity import marking_active
 from tapegrad.engine.concrete_trace import is_concrete, record_jaxpr
 from tapegrad.engine.loops.saves import outer_saves
-from tapegrad.engine.placement import place
+from tapegrad.engine.placement import constrained, place
 from tapegrad.engine.tape_cache import _TAPES, param_key, tape_key, with_values
 from tapegrad.errors import ClosedOverTracerError, ReverseModeError
 from tapegrad.rules import FALLBACK, NONDIFF, WHILE_ERROR, lookup
@@ -264,8 +264,8 @@ def trace_flat(
     key = tape_key(closed, active_inputs, diff, in_tree, out_tree, owner, lits)
     cached = _TAPES.get(key) if key is not None else None
     if cached is not None:
-        tape, old_lits = cached
-        return place(with_values(tape, closed.consts, old_lits, lits), flat_args)
+        tape, old_lits, has_constraint = cached
+        return place(with_values(tape, closed.consts, old_lits, lits), flat_args, has_constraint)
     try:
         tape, top_lits = _build(closed, active_inputs, diff, in_tree, out_tree, top=True)
     except ClosesOverTracer as e:
@@ -287,7 +287,8 @@ def trace_flat(
         if len(top_lits) == len(lits) and all(
             o.shape == tuple(n.aval.shape) for o, n in zip(top_lits, lits)
         ):  # the same literals, read in the same order
-            _TAPES.put(key, (with_values(tape, [None] * len(tape.consts), [], []), top_lits))
+            template = with_values(tape, [None] * len(tape.consts), [], [])
+            _TAPES.put(key, (template, top_lits, constrained(tape)))
     return place(tape, flat_args)  # after the cache: placements follow the arguments
 
 
