@@ -128,7 +128,6 @@ def _flatten_saved(s: _SavedValues):
 def _unflatten_saved(aux, values) -> _SavedValues:
     keys, frame = aux
     res = _without_values(frame.res)
-    res.refs = dict(res.refs)
     res.store = dict(zip(keys, values))
     return _SavedValues(res)
 
@@ -142,7 +141,7 @@ def _without_values(old: Residuals) -> Residuals:
 
 
 class _Frame:
-    """The residuals' bookkeeping (keys, refs, policy), compared by identity.
+    """The residuals' bookkeeping (infos, policy), compared by identity.
 
     Without their values: a treedef holds its aux data, and jax keeps some treedefs (a
     jitted function's dispatch cache keeps its first call's output treedef), so a frame

@@ -27,6 +27,7 @@ from tapegrad.core.caches import BoundedCache
 from tapegrad.core.keys import NoKey, value_key
 from tapegrad.core.residual_policy import SAVE, is_plain, resolve_prefetch
 from tapegrad.core.tape import Lit, Record, Saved, Segment, Tape, Var, kind_of
+from tapegrad.engine.backward_schedule import schedule
 from tapegrad.engine.residuals import Residuals, _pack, _saved_values, _unpack
 from tapegrad.errors import ResidualError, where
 from tapegrad.rules import FALLBACK, Res, lookup
@@ -142,21 +143,19 @@ def _placed(rec: Record, res: Residuals) -> Record:
     return dataclasses.replace(rec, params=MappingProxyType({**rec.params, "srcs": srcs}))
 
 
-def _boundary_consumers(tape: Tape) -> dict[int, tuple[Record, int, int]]:
-    """Segment input var id -> (a consuming record, input index, number of segments using it)."""
-    out: dict[int, tuple[Record, int, int]] = {}
+def _boundary_consumers(tape: Tape) -> dict[int, tuple[Record, int]]:
+    """Segment input var id -> (a consuming record, input index)."""
+    out: dict[int, tuple[Record, int]] = {}
     for seg in tape.segments:
         for v in seg.inputs:
             if v.id in out:
-                rec, i, n = out[v.id]
-                out[v.id] = (rec, i, n + 1)
                 continue
             for r in (tape.records[k] for k in seg.records):
                 if any(isinstance(u, Var) and u.id == v.id for u in r.inputs):
                     idx = next(
                         j for j, u in enumerate(r.inputs) if isinstance(u, Var) and u.id == v.id
                     )
-                    out[v.id] = (r, idx, 1)
+                    out[v.id] = (r, idx)
                     break
     return out
 
@@ -202,7 +201,7 @@ def forward(
         ins_ids = frozenset(v.id for v in tape.inputs) if not loops else frozenset()
         res.input_ids = ins_ids | {v.id for v, _ in tape.consts}
         res.readers = tape.readers()
-    store, refs = res.store, res.refs
+    store = res.store
     if tape.segments:
         _, recomputed = tape.residual_keys()
         boundary = _boundary_consumers(tape)
@@ -210,11 +209,9 @@ def forward(
         recomputed, boundary = {}, {}
 
     def keep_boundary(var_id: int, value) -> None:
-        rec, i, uses = boundary[var_id]
         if var_id in store:
-            refs[var_id] += uses
             return
-        refs[var_id] = uses
+        rec, i = boundary[var_id]
         u = rec.inputs[i]
         store[var_id] = (
             value
@@ -235,7 +232,7 @@ def forward(
         if loop:
             outs, body_res = kind_of(rec).forward(rec, ins, res, observer)
             derived: Any = None
-            store[("body", rec.index)], refs[("body", rec.index)] = body_res, 1
+            store[("body", rec.index)] = body_res
         else:
             outs, derived = _run(rec, ins)  # type: ignore[assignment]
         if observer is not None:
@@ -247,12 +244,9 @@ def forward(
             if o.id in boundary:
                 keep_boundary(o.id, val)
         if rec.saves:
-            keys = []
             for s in rec.saves:
                 key = rec.residual_key(s)
-                keys.append(key)
                 if key in store or key in recomputed:
-                    refs[key] = refs.get(key, 0) + 1
                     continue
                 if s.kind == "in":
                     value = ins[s.index]
@@ -260,14 +254,10 @@ def forward(
                     value = outs[s.index]
                 else:
                     value = derived[s.index]
-                refs[key] = 1
                 if plain or key in forwarded:
                     store[key] = value
                 else:
                     store[key] = _pack(res, rec, key, s, value)
-            res.keys[rec.index] = tuple(keys)
-        if loop:
-            res.keys[rec.index] = res.keys.get(rec.index, ()) + (("body", rec.index),)
         for i in rec.inputs:
             if isinstance(i, Var) and last_use.get(i.id) == rec.index:
                 env.pop(i.id, None)
@@ -359,6 +349,12 @@ def run_compiled_segment(tape: Tape, seg: Segment, vals: dict[Any, Any]) -> dict
     return fn([vals[v.id] for v in seg.inputs])
 
 
+# Tests only (``tests/test_schedule.py``): a list that backward appends (tape, event,
+# key) to for its unpacks, recomputations, rule runs and releases, to check them
+# against `engine.backward_schedule`.
+_TAP: list | None = None
+
+
 def backward(
     tape: Tape,
     res: Residuals,
@@ -394,7 +390,8 @@ def backward(
 
     store = res.store
     plain = res.plain
-    remaining = dict(res.refs)  # uses left in this backward, per residual
+    sched = schedule(tape, 0 if plain else resolve_prefetch(res.policy, tape))
+    remaining = dict(sched.uses)  # uses left in this backward, per residual
     unpacked: dict[Any, Any] = {}
     recomputed: dict[Any, Any] = {}
     seg_of = tape.residual_keys()[1] if tape.segments else {}
@@ -404,11 +401,19 @@ def backward(
         left = remaining[key] - 1
         remaining[key] = left
         if left == 0:
+            if _TAP is not None:
+                _TAP.append((tape, "release", key))
             unpacked.pop(key, None)
             recomputed.pop(key, None)
             if not retain:
                 store.pop(key, None)
                 res.origins.pop(key, None)
+
+    def unpack(rec, key, s):
+        if _TAP is not None:
+            _TAP.append((tape, "unpack", key))
+        v = unpacked[key] = _unpack(res, rec, key, s, trigger)
+        return v
 
     def get(rec, key, s):
         v = recomputed.get(key)
@@ -423,20 +428,16 @@ def backward(
         if plain:
             return _unpack(res, rec, key, s)
         v = unpacked.get(key)
-        if v is None:
-            v = unpacked[key] = _unpack(res, rec, key, s, trigger)
-        return v
+        return unpack(rec, key, s) if v is None else v
 
     def _recompute(seg: Segment) -> None:
         """Re-run a segment forward from its saved inputs, keeping what backward needs."""
+        ev = sched.recomputes[seg.id]
         vals: dict[Any, Any] = {}
-        for v in seg.inputs:
-            rec0 = next(
-                tape.records[k]
-                for k in seg.records
-                if any(isinstance(u, Var) and u.id == v.id for u in tape.records[k].inputs)
-            )
+        for v, rec0 in zip(seg.inputs, ev.readers):
             vals[v.id] = get(rec0, v.id, Saved("in", 0, v.shape, v.dtype))
+        if _TAP is not None:
+            _TAP.append((tape, "recompute", seg.id))
         if seg.prevent_cse and any(isinstance(x, jax.core.Tracer) for x in vals.values()):
             # Under a trace, XLA's CSE would merge the recomputation with the forward
             # computation; the barrier (tied to this backward step's cotangents, so it
@@ -444,14 +445,7 @@ def backward(
             ids = list(vals)
             barred, _ = lax.optimization_barrier((tuple(vals[i] for i in ids), tuple(trigger)))
             vals = dict(zip(ids, barred))
-        wanted: set[Any] = {o.id for o in seg.outputs}
-        for k in seg.records:
-            rec = tape.records[k]
-            wanted.update(
-                rec.residual_key(s)
-                for s in rec.saves
-                if s.kind == "aux" and rec.residual_key(s) in seg_of
-            )
+        wanted = {k for k, _ in ev.held}
         records = [tape.records[k] for k in seg.records]
         out = None
         if seg.compiled and _is_concrete(vals.values()):
@@ -463,24 +457,20 @@ def backward(
         for v in seg.inputs:
             release(v.id)
 
-    order = [rec for rec in reversed(tape.records) if rec.rule != "none"]
-    prefetch = 0 if plain else resolve_prefetch(res.policy, tape)
-    for n, rec in enumerate(order):
-        keys = res.keys.get(rec.index, ())
+    for step in sched.steps:
+        rec, keys = step.record, step.keys
         gs = [cts.pop(o.id, None) for o in rec.outputs]
         if capture is not None:  # retained intermediate cotangents (tg.grad(intermediates=))
             for o, g in zip(rec.outputs, gs):
                 if o.id in capture:
                     capture[o.id] = g
         trigger[:] = [g for g in gs if g is not None]
-        if prefetch:
-            # Start bringing the next records' residuals back now: jax dispatch is
-            # asynchronous, so the copies overlap the compute of the records between
-            # (``prefetch`` of them: `planner.cost.prefetch_depth` for offload's "auto").
-            for nxt in order[n + 1 : n + 1 + prefetch]:
-                for s, key in zip(nxt.saves, res.keys.get(nxt.index, ())):
-                    if key not in unpacked and key in store:
-                        unpacked[key] = _unpack(res, nxt, key, s, trigger)
+        # Start bringing the next records' residuals back now: jax dispatch is
+        # asynchronous, so the copies overlap the compute of the records between
+        # (the schedule's prefetch depth: `planner.cost.prefetch_depth` for offload's "auto").
+        for ev in step.prefetch:
+            if ev.key not in unpacked and ev.key in store:
+                unpack(ev.record, ev.key, ev.saved)
         if any(g is not None for g in gs):
             x, y, aux = _saved_values(rec, rec.saves, keys, get)
             if rec.bodies:
@@ -497,6 +487,8 @@ def backward(
                 in_cts = _apply_rule(rule, _placed(rec, res), x, y, aux, gs)
             if observer is not None:
                 observer.backward_record(rec, gs, in_cts)
+            if _TAP is not None:
+                _TAP.append((tape, "run", rec.index))
             del x, y, aux
             if capture is not None:  # a retained cotangent after a tg.hook (retained_keys)
                 for j, ct in enumerate(in_cts):
@@ -512,11 +504,6 @@ def backward(
         del gs
         trigger.clear()
         for key in keys:
-            if type(key) is tuple and key[0] == "body":
-                remaining[key] -= 1
-                if not retain and remaining[key] == 0:
-                    store.pop(key, None)
-                continue
             release(key)
     if not retain:
         res.released = True

@@ -24,14 +24,12 @@ class Residuals:
     """The packed residuals of one forward run, keyed by value.
 
     A value saved by several records (``tanh``'s output is also the next
-    ``dot_general``'s input) is packed once; ``refs`` counts the records that
-    still need it so backward can release it after its last use.
+    ``dot_general``'s input) is packed once; backward releases it after its last use
+    (`engine.backward_schedule` counts the uses).
     """
 
     __slots__ = (
         "store",
-        "refs",
-        "keys",
         "policy",
         "infos",
         "released",
@@ -47,8 +45,6 @@ class Residuals:
 
     def __init__(self, policy):
         self.store: dict[Any, Any] = {}
-        self.refs: dict[Any, int] = {}
-        self.keys: dict[int, tuple] = {}
         self.infos: dict[Any, ResidualInfo] = {}
         self.input_ids: frozenset[int] = frozenset()
         self.policy = policy

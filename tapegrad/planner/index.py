@@ -377,6 +377,10 @@ class TapeIndex:
                     b = allsize[o.id]
                     extra[o.id] = b
                     live += b
+                for j in seg.records:  # derived residuals it makes (a custom_vjp's)
+                    for key in self.aux_keys[j]:
+                        extra[key] = b = self.key_obj[key].nbytes
+                        live += b
                 for v in seg.inputs:
                     k = v.id
                     remaining[k] -= 1
@@ -487,6 +491,10 @@ class TapeIndex:
                 for o in seg.outputs:
                     extra[o.id] = b = nbytes(o.id, o)
                     held += b
+                for j in seg.records:  # derived residuals it makes (a custom_vjp's)
+                    for key in self.aux_keys[j]:
+                        extra[key] = b = nbytes(key, self.key_obj[key])
+                        held += b
                 for v in seg.inputs:
                     k = v.id
                     remaining[k] -= 1

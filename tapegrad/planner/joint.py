@@ -35,8 +35,9 @@ import numpy as np
 
 from tapegrad.core.sizes import sharding_of
 from tapegrad.core.tape import Tape
+from tapegrad.engine.backward_schedule import Recompute, Release, Unpack, schedule
 from tapegrad.planner.cost import LOWBIT, CostModel, compressed_nbytes, device_nbytes
-from tapegrad.planner.problem import _uses, segment_cost
+from tapegrad.planner.problem import segment_cost
 from tapegrad.policies._lowbit import pole
 
 __all__ = ["Timeline", "timeline", "options", "assign_greedy", "evaluate", "pole_keys"]
@@ -68,15 +69,16 @@ class Timeline:
 
 
 def timeline(tape: Tape, prefetch: int = 0, memo: dict | None = None) -> Timeline:
-    """The `Timeline` of a planned tape (segments built), mirroring `problem.simulate`
-    and the interpreter's backward (prefetch, unpack at first use, release at last).
+    """The `Timeline` of a planned tape (segments built): backward's schedule
+    (`engine.backward_schedule`: prefetch, unpack at first use, release at last), as
+    `problem.simulate` counts it.
     The planner builds thousands per call with `TapeIndex.timeline`, the same loop over
     per-tape facts computed once; this plain version over the tape is its reference
     (``tests/policies/test_planner_fast.py`` checks the two agree field by field) and
     serves callers that have a tape only."""
     memo = {} if memo is None else memo
     free = tape.caller_ids()
-    kept, seg_of = tape.residual_keys()
+    kept, _ = tape.residual_keys()
     keys = [k for k in kept if k not in free]
     idx = {k: i for i, k in enumerate(keys)}
     full = np.array([device_nbytes(kept[k]) for k in keys], dtype=np.int64)
@@ -85,61 +87,33 @@ def timeline(tape: Tape, prefetch: int = 0, memo: dict | None = None) -> Timelin
     unpack = np.full(K, -1, dtype=np.int64)
     fixed: list[int] = [0]  # point 0: the end of forward
     labels = ["forward"]
-    remaining = _uses(tape)
     extra: dict[Any, int] = {}
     held = 0  # bytes of recomputed values held (mechanism-independent)
     flops = 0.0
-    done: set[int] = set()
-
-    def copy(key) -> None:
-        i = idx.get(key)
-        if i is not None and unpack[i] < 0:
-            unpack[i] = len(fixed)  # present from the next point on
-
-    def drop(key) -> None:
-        nonlocal held
-        remaining[key] -= 1
-        if remaining[key] == 0:
-            held -= extra.pop(key, 0)
-            i = idx.get(key)
-            if i is not None:
-                release[i] = len(fixed) - 1
-
-    order = [r for r in reversed(tape.records) if r.rule != "none"]
-    for n, rec in enumerate(order):
-        for nxt in order[n + 1 : n + 1 + prefetch]:
-            for s in nxt.saves:
-                key = nxt.residual_key(s)
-                if key in kept:
-                    copy(key)
-        rkeys = []
-        for s in rec.saves:
-            key = rec.residual_key(s)
-            rkeys.append(key)
-            if key in kept:
-                copy(key)
-                continue
-            if key in extra or key not in seg_of:
-                continue
-            seg = tape.segments[seg_of[key]]
-            if seg.id in done:
-                continue
-            done.add(seg.id)
-            seg_flops, seg_peak = segment_cost(tape, seg, memo)
-            flops += seg_flops
-            for v in seg.inputs:
-                copy(v.id)
-            fixed.append(held + seg_peak)
-            labels.append("recompute")
-            for o in seg.outputs:
-                extra[o.id] = device_nbytes(o)
-                held += extra[o.id]
-            for v in seg.inputs:
-                drop(v.id)
-        fixed.append(held)
-        labels.append(f"bwd {rec.index}")
-        for key in rkeys:
-            drop(key)
+    for st in schedule(tape, prefetch).steps:
+        for ev in st.events:
+            kind = type(ev)
+            if kind is Unpack:
+                i = idx.get(ev.key)
+                if i is not None and unpack[i] < 0:
+                    unpack[i] = len(fixed)  # present from the next point on
+            elif kind is Release:
+                held -= extra.pop(ev.key, 0)
+                i = idx.get(ev.key)
+                if i is not None:
+                    release[i] = len(fixed) - 1
+            elif kind is Recompute:
+                seg_flops, seg_peak = segment_cost(tape, ev.segment, memo)
+                flops += seg_flops
+                fixed.append(held + seg_peak)
+                labels.append("recompute")
+                for key, v in ev.held:  # its outputs and derived residuals
+                    if v is not None:
+                        extra[key] = device_nbytes(v)
+                        held += extra[key]
+            else:
+                fixed.append(held)
+                labels.append(f"bwd {st.record.index}")
     last = len(fixed) - 1
     release[release < 0] = last
     never = unpack < 0

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tapegrad.core.tape import Tape, Var
+from tapegrad.engine.backward_schedule import Recompute, Release, Run, schedule
 from tapegrad.engine.checkpoint import segment_peak
 from tapegrad.errors import TapegradError
 from tapegrad.passes.checks import _harmful, effects_of
@@ -22,20 +23,6 @@ __all__ = ["BudgetError", "estimate", "simulate", "segment_cost", "structure_key
 
 class BudgetError(TapegradError, ValueError):
     """No save/recompute plan fits the budget."""
-
-
-def _uses(tape: Tape) -> dict[Any, int]:
-    uses: dict[Any, int] = {}
-    for rec in tape.records:
-        if rec.rule == "none":
-            continue
-        for s in rec.saves:
-            key = rec.residual_key(s)
-            uses[key] = uses.get(key, 0) + 1
-    for seg in tape.segments:
-        for v in seg.inputs:
-            uses[v.id] = uses.get(v.id, 0) + 1
-    return uses
 
 
 def segment_cost(tape: Tape, seg: Any, memo: dict) -> tuple[float, int]:
@@ -61,52 +48,42 @@ def simulate(
     tape: Tape, memo: dict | None = None, trace: dict | None = None
 ) -> tuple[int, float, dict[Any, int]]:
     """`estimate`'s schedule: (peak, flops, bytes of each kept residual key); with
-    ``trace``, also the largest live bytes while backward runs each record (by index)."""
+    ``trace``, also the largest live bytes while backward runs each record (by index).
+
+    Backward's schedule (`engine.backward_schedule`), counted as the planner sizes
+    values: kept residuals whole (the caller's own arrays free), a recomputed segment's
+    peak while it runs and what it makes after (outputs, derived residuals such as a
+    custom_vjp's), until their last use."""
     memo = {} if memo is None else memo
     inputs = tape.caller_ids()
-    kept, seg_of = tape.residual_keys()
+    kept, _ = tape.residual_keys()
     size = {k: (0 if k in inputs else v.nbytes) for k, v in kept.items()}
     live = sum(size.values())  # forward only adds: the peak of forward is its end
     peak = live
-    remaining = _uses(tape)
     extra: dict[Any, int] = {}
     flops = 0.0
-    done: set[int] = set()
 
-    def release(key):
-        nonlocal live
-        remaining[key] -= 1
-        if remaining[key] == 0:
-            live -= size.get(key, 0) + extra.pop(key, 0)
-
-    for rec in reversed(tape.records):
-        if rec.rule == "none":
-            continue
-        keys = []
-        for s in rec.saves:
-            key = rec.residual_key(s)
-            keys.append(key)
-            if key in extra or key in size or key not in seg_of:
-                continue
-            seg = tape.segments[seg_of[key]]
-            if seg.id in done:
-                continue
-            done.add(seg.id)
-            seg_flops, seg_peak = segment_cost(tape, seg, memo)
-            flops += seg_flops
-            peak = max(peak, live + seg_peak)
-            if trace is not None:
-                trace[rec.index] = max(trace.get(rec.index, 0), live + seg_peak)
-            for o in seg.outputs:
-                extra[o.id] = o.nbytes
-                live += extra[o.id]
-            for v in seg.inputs:
-                release(v.id)
-        peak = max(peak, live)
+    def at(i: int, total: int) -> None:
         if trace is not None:
-            trace[rec.index] = max(trace.get(rec.index, 0), live)
-        for key in keys:
-            release(key)
+            trace[i] = max(trace.get(i, 0), total)
+
+    for st in schedule(tape).steps:
+        for ev in st.events:
+            kind = type(ev)
+            if kind is Release:
+                live -= size.get(ev.key, 0) + extra.pop(ev.key, 0)
+            elif kind is Recompute:
+                seg_flops, seg_peak = segment_cost(tape, ev.segment, memo)
+                flops += seg_flops
+                peak = max(peak, live + seg_peak)
+                at(st.record.index, live + seg_peak)
+                for key, v in ev.held:  # its outputs and derived residuals
+                    if v is not None:
+                        extra[key] = v.nbytes
+                        live += v.nbytes
+            elif kind is Run:
+                peak = max(peak, live)
+                at(st.record.index, live)
     return peak, flops, size
 
 

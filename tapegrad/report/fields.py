@@ -227,16 +227,13 @@ def report_fields(tape: Tape, res: Any, policy: Any, args: Sequence[Any] = ()) -
     rows = _rows(tape, acc.bytes_of, acc.bodies, bits=acc.bits if auto is not None else None)
     by_rec, _ = _owners(tape, acc.bytes_of)
     unseen = unseen_backwards(tape)
-    tl = replay(tape, res, policy, acc, by_rec, unseen)
+    tl = replay(tape, policy, acc, by_rec, unseen)
     planner = _planner_of(policy)
     decisions = planner.decisions(tape) if planner is not None else None
     if decisions is not None:
         rows = [_with_decisions(r, by_rec.get(r.index, ()), decisions) for r in rows]
-    measured_dev = (
-        max((d + c for d, _, c in tl.kinds), default=0) - tl.input_residual_bytes
-        if planner is not None
-        else None
-    )
+    # The planner's points as this run measured them (recomputations included).
+    measured_dev = max((b for _, b in tl.plan_points), default=0) if planner is not None else None
     return dict(
         policy=policy,
         records=tuple(rows),

@@ -56,7 +56,8 @@ class MemoryReport:
       over forward and backward, the inputs included;
     * ``timeline``: ``(step, live bytes)`` after each record, forward then backward
       (a loop record's backward adds a ``"bwd i step"`` point: its stored steps plus
-      one step's unpacked copies, under a policy that unpacks);
+      one step's unpacked copies, under a policy that unpacks; a recomputed segment a
+      ``"bwd i recompute"`` point, while it runs);
     * ``records``: one row per record keeping residuals. A loop/branch record's row
       counts its per-step residuals over every step held (read off the arrays the run
       stacked or kept per step; eagerly a cond holds the branch taken), and lists its

@@ -1,9 +1,9 @@
 """Live residual bytes through forward and backward: `replay` walks the tape's records
-forward (each kept residual becomes live), then backward in the executor's release
-order (device copies that unpacking brings back, recomputed segments, a loop's per-step
-transients and `jax.vjp`'s unseen residuals, each released after its last use), and
-returns the timeline, its split by memory kind, the peaks, and the points a budget's
-planner predicts."""
+forward (each kept residual becomes live), then backward's schedule
+(`engine.backward_schedule`, the one the interpreter executes: device copies that
+unpacking brings back, recomputed segments, a loop's per-step transients and `jax.vjp`'s
+unseen residuals, each released after its last use), and returns the timeline, its
+split by memory kind, the peaks, and the points a budget's planner predicts."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any
 
 from tapegrad.core.residual_policy import is_plain, resolve_prefetch
 from tapegrad.core.tape import Record, Tape
+from tapegrad.engine.backward_schedule import Recompute, Release, Unpack, schedule
 from tapegrad.engine.checkpoint import segment_peak
 from tapegrad.engine.loops.saves import loop_bytes, schedule_costs
 from tapegrad.report.accounting import Accounts
@@ -53,7 +54,8 @@ def _segment_transient(rec: Record) -> int:
 class Timeline:
     """Live residual bytes over one forward and backward, as `replay` counted them."""
 
-    points: tuple[tuple[str, int], ...]  # (step, live bytes) after each record
+    points: tuple[tuple[str, int], ...]  # (step, live bytes) after each record, and during
+    # each recomputation ("bwd i recompute"), loop step ("bwd i step") and jax.vjp
     kinds: tuple[tuple[int, int, int], ...]  # the same by kind: (device, host, compressed)
     residual_bytes: int  # live at the end of forward
     peak_bytes: int
@@ -65,7 +67,6 @@ class Timeline:
 
 def replay(
     tape: Tape,
-    res: Any,
     policy: Any,
     acc: Accounts,
     by_rec: dict[int, list],
@@ -76,7 +77,6 @@ def replay(
     the top-level record whose backward runs them)."""
     plain = is_plain(policy)
     input_ids = {v.id for v in tape.inputs} | {v.id for v, _ in tape.consts}
-    seg_of = tape.residual_keys()[1] if tape.segments else {}
     sizes_acc, sizes, kind_of, caller = acc.bytes_of, acc.sizes, acc.kind_of, acc.caller
     lk = [0, 0, 0]  # live bytes by kind (device, host, compressed), mirroring ``live``
 
@@ -112,7 +112,6 @@ def replay(
         timeline_kinds.append((lk[0], lk[1], lk[2]))
     residual = live
     plan_points.append(("forward", lk[0] + lk[2] - inp_lk))
-    remaining = dict(res.refs)
     extra: dict[Any, int] = {}  # unpacked device copies and recomputed values, per key
 
     def _moved(key) -> bool:
@@ -131,62 +130,39 @@ def replay(
 
     def release(key):
         nonlocal live, caller_live, inp_lk
-        remaining[key] -= 1
-        if remaining[key] == 0:
-            copy = extra.pop(key, 0)
-            live -= sizes.get(key, 0) + copy
-            caller_live -= caller.get(key, 0)
-            add_kind(key, -1)
-            lk[0] -= copy
-            if key in inp:
-                inp_lk -= kind_of[key][0] + kind_of[key][2] + copy
-
-    def unpack_copy(key, s_) -> None:
-        nonlocal live, inp_lk
-        extra[key] = s_.nbytes  # the device copy unpack brings back
-        live += s_.nbytes
-        lk[0] += s_.nbytes
+        copy = extra.pop(key, 0)
+        live -= sizes.get(key, 0) + copy
+        caller_live -= caller.get(key, 0)
+        add_kind(key, -1)
+        lk[0] -= copy
         if key in inp:
-            inp_lk += s_.nbytes
+            inp_lk -= kind_of[key][0] + kind_of[key][2] + copy
 
-    def copies(key) -> bool:
-        return not plain and key in sizes and caller.get(key, 0) < sizes[key] and _moved(key)
+    def unpack(key, nbytes: int) -> None:
+        # The device copy unpacking brings back: only of what packing moved or shrank.
+        nonlocal live, inp_lk
+        if plain or key not in sizes or caller.get(key, 0) >= sizes[key] or not _moved(key):
+            return
+        extra[key] = nbytes
+        live += nbytes
+        lk[0] += nbytes
+        if key in inp:
+            inp_lk += nbytes
 
-    order = [r for r in reversed(tape.records) if r.rule != "none"]
-    prefetch = 0 if plain else resolve_prefetch(policy, tape)
-    for n, rec in enumerate(order):
-        keys = res.keys.get(rec.index, ())
-        # What backward brings back early for the next records (`offload`'s prefetch).
-        for nxt in order[n + 1 : n + 1 + prefetch]:
-            for s_, key in zip(nxt.saves, res.keys.get(nxt.index, ())):
-                if key not in extra and key in res.store and copies(key):
-                    unpack_copy(key, s_)
-        for s_, key in zip(rec.saves, keys):
-            if key in extra:
-                continue
-            if key not in res.store and key in seg_of:
-                seg = tape.segments[seg_of[key]]
-                transient = segment_peak(tape, seg)
-                for v in seg.inputs:  # unpacked for the segment, released after it
-                    if v.id not in extra and v.id in res.store and copies(v.id):
-                        unpack_copy(v.id, v)
-                reach(live + transient)
-                plan_points.append(("recompute", lk[0] + lk[2] - inp_lk + transient))
-                for o in seg.outputs:
-                    extra[o.id] = o.nbytes
-                    live += o.nbytes
-                    lk[0] += o.nbytes
-                for i in seg.records:
-                    r = tape.records[i]
-                    for a in r.saves:
-                        if a.kind == "aux" and r.residual_key(a) in seg_of:
-                            extra[r.residual_key(a)] = a.nbytes
-                            live += a.nbytes
-                            lk[0] += a.nbytes
-                for v in seg.inputs:
-                    release(v.id)
-            elif copies(key):
-                unpack_copy(key, s_)
+    def recompute(ev: Recompute, rec: Record) -> None:
+        nonlocal live
+        transient = segment_peak(tape, ev.segment)
+        reach(live + transient)
+        timeline.append((f"bwd {rec.index} recompute", live + transient))
+        timeline_kinds.append((lk[0] + transient, lk[1], lk[2]))
+        plan_points.append(("recompute", lk[0] + lk[2] - inp_lk + transient))
+        for key, v in ev.held:
+            if v is not None:
+                extra[key] = v.nbytes
+                live += v.nbytes
+                lk[0] += v.nbytes
+
+    def run(rec: Record) -> None:
         if ("body", rec.index) in sizes:
             # A loop's stacked residuals stay until its backward ends; each step unpacks
             # its own residuals (device copies) on top of them, and a checkpointed scan
@@ -206,9 +182,19 @@ def replay(
             timeline_kinds.append((lk[0] + est, lk[1], lk[2]))
         reach(live)
         plan_points.append((f"bwd {rec.index}", lk[0] + lk[2] - inp_lk))
-        for key in keys:
-            release(key)
-        timeline.append((f"bwd {rec.index}", live))
+
+    sched = schedule(tape, 0 if plain else resolve_prefetch(policy, tape))
+    for st in sched.steps:
+        for ev in st.events:
+            if type(ev) is Unpack:
+                unpack(ev.key, ev.saved.nbytes)
+            elif type(ev) is Release:
+                release(ev.key)
+            elif type(ev) is Recompute:
+                recompute(ev, st.record)
+            else:
+                run(st.record)
+        timeline.append((f"bwd {st.record.index}", live))
         timeline_kinds.append((lk[0], lk[1], lk[2]))
     return Timeline(
         tuple(timeline),

@@ -19,7 +19,7 @@ from tapegrad.engine.interpret import Residuals, backward, forward
 class _Stored:
     """The per-step residuals of one loop/branch record's forward.
 
-    ``skel`` is a body `Residuals` without values (keys, refs, infos, policy); ``keys``
+    ``skel`` is a body `Residuals` without values (infos, policy); ``keys``
     the order of the per-step values; ``values`` their stacked (scan) or union (switch)
     values, or ``steps``: one `Residuals` per step (Python-loop mode, concrete cond).
     """
@@ -102,7 +102,7 @@ def _clone(skel, store: dict):
 
     r = Residuals(skel.policy)
     r.store = store
-    r.refs, r.keys, r.infos = skel.refs, skel.keys, skel.infos
+    r.infos = skel.infos
     r.input_ids, r.plain, r.raw, r.loops = skel.input_ids, skel.plain, skel.raw, skel.loops
     return r
 
