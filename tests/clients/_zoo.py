@@ -19,7 +19,7 @@ from conftest import assert_trees_close, live_bytes_by_kind
 import tapegrad as tg
 from tapegrad import policies as P
 
-MODES = ("eager", "jit", "offload", "budget", "memory")
+MODES = ("eager", "jit", "offload", "budget", "memory")  # and "at_save" (see `matrix`)
 
 
 @dataclasses.dataclass
@@ -44,12 +44,10 @@ class Case:
         assert_trees_close(got, self.reference(), rtol=self.rtol, atol=self.atol)
 
 
-def budget_of(case: Case) -> Any:
+def budget_of(case: Case, fraction: float | None = None) -> Any:
     rep = tg.memory_report(case.loss, case.argnums)(*case.args)
-    return P.budget(
-        bytes=max(int(rep.peak_beyond_inputs_bytes * case.budget_fraction), 1),
-        allow=case.allow,
-    )
+    frac = case.budget_fraction if fraction is None else fraction
+    return P.budget(bytes=max(int(rep.peak_beyond_inputs_bytes * frac), 1), allow=case.allow)
 
 
 def assert_report_matches_live_arrays(case: Case, policy: Any) -> None:
@@ -98,6 +96,13 @@ def check(case: Case, mode: str) -> None:
         case.assert_close(tg.grad(loss, argnums=argnums, policy=P.offload())(*args))
     elif mode == "budget":
         case.assert_close(tg.grad(loss, argnums=argnums, policy=budget_of(case))(*args))
+    elif mode == "at_save":
+        # A budget of exactly save()'s own peak is met (saving everything meets it), and
+        # the plan it runs holds no more than that.
+        pol = budget_of(case, 1.0)
+        case.assert_close(tg.grad(loss, argnums=argnums, policy=pol)(*args))
+        rep = tg.memory_report(loss, argnums, policy=pol)(*args)
+        assert rep.peak_beyond_inputs_bytes <= pol.bytes
     elif mode == "memory":
         for policy in (P.save(), P.offload()):
             assert_report_matches_live_arrays(case, policy)
@@ -110,21 +115,25 @@ def matrix(
     xfail: dict[tuple[str, str], str] | None = None,
     slow: frozenset[tuple[str, str]] | set[tuple[str, str]] = frozenset(),
     modes: tuple[str, ...] = MODES,
+    at_save: str | None = None,
 ) -> list:
     """``pytest.param(name, mode)`` for every case and mode, with ``xfail(strict=True)``
     on the pairs in ``xfail`` (``(name, "*")`` for every mode of a case) and ``slow`` on
-    those in ``slow``."""
+    those in ``slow``. With ``at_save`` (for cases whose budget is below save()'s peak),
+    also mode ``"at_save"``, a budget of exactly save()'s peak: in the slow tier
+    (``at_save="slow"``) or the quick one (``"quick"``)."""
     import pytest
 
     xfail = xfail or {}
     out = []
     for name in names:
-        for mode in modes:
+        for mode in modes + (("at_save",) if at_save else ()):
             marks = []
             reason = xfail.get((name, mode), xfail.get((name, "*")))
             if reason is not None:
                 marks.append(pytest.mark.xfail(strict=True, reason=reason))
-            if (name, mode) in slow or (name, "*") in slow:
+            slow_at_save = mode == "at_save" and at_save == "slow"
+            if (name, mode) in slow or (name, "*") in slow or slow_at_save:
                 marks.append(pytest.mark.slow)
             out.append(pytest.param(name, mode, marks=marks, id=f"{name}-{mode}"))
     return out

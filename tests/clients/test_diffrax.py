@@ -85,6 +85,6 @@ SLOW = {(name, "eager") for name in CASES} | {
 }
 
 
-@pytest.mark.parametrize("name, mode", matrix(tuple(CASES), XFAIL, SLOW))
+@pytest.mark.parametrize("name, mode", matrix(tuple(CASES), XFAIL, SLOW, at_save="slow"))
 def test_neural_ode(name, mode):
     check(case(name), mode)

@@ -92,6 +92,6 @@ XFAIL: dict = {}
 SLOW = {("nn-conv-layernorm-mlp", "eager"), ("nn-conv-layernorm-mlp", "budget")}
 
 
-@pytest.mark.parametrize("name, mode", matrix(tuple(CASES), XFAIL, SLOW))
+@pytest.mark.parametrize("name, mode", matrix(tuple(CASES), XFAIL, SLOW, at_save="slow"))
 def test_equinox(name, mode):
     check(case(name), mode)

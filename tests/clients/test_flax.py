@@ -87,6 +87,6 @@ def case(name: str) -> Case:
     return CASES[name]()
 
 
-@pytest.mark.parametrize("name, mode", matrix(tuple(CASES)))
+@pytest.mark.parametrize("name, mode", matrix(tuple(CASES), at_save="slow"))
 def test_flax(name, mode):
     check(case(name), mode)

@@ -77,6 +77,6 @@ XFAIL: dict = {}
 SLOW: set = set()
 
 
-@pytest.mark.parametrize("name, mode", matrix(tuple(CASES), XFAIL, SLOW))
+@pytest.mark.parametrize("name, mode", matrix(tuple(CASES), XFAIL, SLOW, at_save="slow"))
 def test_haiku(name, mode):
     check(case(name), mode)

@@ -66,6 +66,6 @@ XFAIL: dict = {}
 SLOW: set = set()
 
 
-@pytest.mark.parametrize("name, mode", matrix(tuple(CASES), XFAIL, SLOW))
+@pytest.mark.parametrize("name, mode", matrix(tuple(CASES), XFAIL, SLOW, at_save="quick"))
 def test_jax_md(name, mode):
     check(case(name), mode)

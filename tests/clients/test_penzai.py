@@ -62,6 +62,6 @@ XFAIL: dict = {}
 SLOW = {("llamalike-transformer", "eager"), ("llamalike-transformer", "budget")}
 
 
-@pytest.mark.parametrize("name, mode", matrix(tuple(CASES), XFAIL, SLOW))
+@pytest.mark.parametrize("name, mode", matrix(tuple(CASES), XFAIL, SLOW, at_save="slow"))
 def test_penzai(name, mode):
     check(case(name), mode)
