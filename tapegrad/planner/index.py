@@ -26,6 +26,7 @@ from tapegrad.core.tape import Segment, Tape, Var
 from tapegrad.engine.checkpoint import active_segments
 from tapegrad.planner.cost import device_nbytes, record_flops
 from tapegrad.planner.joint import Timeline, pole_keys
+from tapegrad.planner.problem import loops_held
 
 __all__ = ["TapeIndex"]
 
@@ -113,6 +114,8 @@ class TapeIndex:
         self.size = size
         self.out_bytes = {o.id: o.nbytes for r in recs for o in r.outputs}
         self.flops = [record_flops(r) for r in recs]
+        # loop record -> bytes of its per-step residuals while kept (`loops_held`)
+        self.loop_bytes = {k[1]: b for k, b in loops_held(tape, ()).items()}
         self._seg_memo: dict[tuple, tuple[float, int]] = {}
         self._group_memo: dict[tuple[int, ...], tuple] = {}  # `_group`
         self._piece_memo: dict[tuple, tuple] = {}  # `_piece`
@@ -349,7 +352,8 @@ class TapeIndex:
         kept, seg_of = self.residual_keys(segs)
         allsize = self.size
         size = {k: allsize[k] for k in kept}
-        live = sum(size.values())
+        loops = self._loops_kept(segs)
+        live = sum(size.values()) + sum(loops.values())
         peak = live
         remaining = dict(self.uses0)
         for seg in segs:
@@ -394,7 +398,15 @@ class TapeIndex:
                 remaining[key] -= 1
                 if remaining[key] == 0:
                     live -= size.get(key, 0) + extra.pop(key, 0)
+            live -= loops.get(i, 0)  # a loop's residuals: released after its backward
         return peak, flops, size
+
+    def _loops_kept(self, segs: Sequence[Segment]) -> dict[int, int]:
+        """`loop_bytes` of the loops ``segs`` do not recompute."""
+        if not self.loop_bytes:
+            return {}
+        inside = {i for g in segs for i in g.records}
+        return {i: b for i, b in self.loop_bytes.items() if i not in inside}
 
     # -- timeline -------------------------------------------------------------------
 
@@ -443,14 +455,15 @@ class TapeIndex:
         # plain lists while filling (numpy's scalar access is slow), arrays at the end
         release = [-1] * K
         unpack = [-1] * K
-        fixed: list[int] = [0]  # point 0: the end of forward
+        loops = self._loops_kept(segs)
+        held = sum(loops.values())  # bytes held whatever the mechanisms (loops, recomputed)
+        fixed: list[int] = [held]  # point 0: the end of forward
         labels = ["forward"]
         remaining = dict(self.uses0)
         for seg in segs:
             for v in seg.inputs:
                 remaining[v.id] = remaining.get(v.id, 0) + 1
         extra: dict[Any, int] = {}
-        held = 0  # bytes of recomputed values held (mechanism-independent)
         flops = 0.0
         done: set[int] = set()
 
@@ -513,6 +526,7 @@ class TapeIndex:
                     i = get(key)
                     if i is not None:
                         release[i] = pt
+            held -= loops.get(r, 0)
         last = len(fixed) - 1
         rel = np.array(release, dtype=np.int64)
         unp = np.array(unpack, dtype=np.int64)

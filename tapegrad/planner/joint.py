@@ -37,7 +37,7 @@ from tapegrad.core.sizes import sharding_of
 from tapegrad.core.tape import Tape
 from tapegrad.engine.backward_schedule import Recompute, Release, Unpack, schedule
 from tapegrad.planner.cost import LOWBIT, CostModel, compressed_nbytes, device_nbytes
-from tapegrad.planner.problem import segment_cost
+from tapegrad.planner.problem import loops_held, segment_cost
 from tapegrad.policies._lowbit import pole
 
 __all__ = ["Timeline", "timeline", "options", "assign_greedy", "evaluate", "pole_keys"]
@@ -85,10 +85,11 @@ def timeline(tape: Tape, prefetch: int = 0, memo: dict | None = None) -> Timelin
     K = len(keys)
     release = np.full(K, -1, dtype=np.int64)
     unpack = np.full(K, -1, dtype=np.int64)
-    fixed: list[int] = [0]  # point 0: the end of forward
+    # bytes held whatever the mechanisms: loops' per-step residuals, recomputed values
+    extra: dict[Any, int] = loops_held(tape)
+    held = sum(extra.values())
+    fixed: list[int] = [held]  # point 0: the end of forward
     labels = ["forward"]
-    extra: dict[Any, int] = {}
-    held = 0  # bytes of recomputed values held (mechanism-independent)
     flops = 0.0
     for st in schedule(tape, prefetch).steps:
         for ev in st.events:

@@ -14,15 +14,38 @@ from typing import Any
 from tapegrad.core.tape import Tape, Var
 from tapegrad.engine.backward_schedule import Recompute, Release, Run, schedule
 from tapegrad.engine.checkpoint import segment_peak
+from tapegrad.engine.loops.saves import loop_residual_bytes
 from tapegrad.errors import TapegradError
 from tapegrad.passes.checks import _harmful, effects_of
 from tapegrad.planner.cost import record_flops, segment_flops
 
-__all__ = ["BudgetError", "estimate", "simulate", "segment_cost", "structure_key"]
+__all__ = [
+    "BudgetError",
+    "estimate",
+    "loops_held",
+    "simulate",
+    "segment_cost",
+    "structure_key",
+]
 
 
 class BudgetError(TapegradError, ValueError):
     """No save/recompute plan fits the budget."""
+
+
+def loops_held(tape: Tape, segments: Sequence[Any] | None = None) -> dict[Any, int]:
+    """``("body", index)`` -> bytes of the per-step residuals a loop or branch record keeps
+    from forward until its backward runs (`loop_residual_bytes`, as save() keeps them),
+    for each such record not recomputed by one of ``segments`` (the tape's own)."""
+    segs = tape.segments if segments is None else segments
+    inside = {i for g in segs for i in g.records}
+    held = {}
+    for rec in tape.records:
+        if rec.bodies and rec.rule != "none" and rec.index not in inside:
+            b = loop_residual_bytes(rec)
+            if b:
+                held["body", rec.index] = b
+    return held
 
 
 def segment_cost(tape: Tape, seg: Any, memo: dict) -> tuple[float, int]:
@@ -51,16 +74,17 @@ def simulate(
     ``trace``, also the largest live bytes while backward runs each record (by index).
 
     Backward's schedule (`engine.backward_schedule`), counted as the planner sizes
-    values: kept residuals whole (the caller's own arrays free), a recomputed segment's
+    values: kept residuals whole (the caller's own arrays free), a loop's per-step
+    residuals until its backward (`loops_held`), a recomputed segment's
     peak while it runs and what it makes after (outputs, derived residuals such as a
     custom_vjp's), until their last use."""
     memo = {} if memo is None else memo
     inputs = tape.caller_ids()
     kept, _ = tape.residual_keys()
     size = {k: (0 if k in inputs else v.nbytes) for k, v in kept.items()}
-    live = sum(size.values())  # forward only adds: the peak of forward is its end
+    extra: dict[Any, int] = loops_held(tape)  # and, as backward runs, recomputed values
+    live = sum(size.values()) + sum(extra.values())  # forward only adds: its end is its peak
     peak = live
-    extra: dict[Any, int] = {}
     flops = 0.0
 
     def at(i: int, total: int) -> None:
