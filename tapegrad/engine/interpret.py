@@ -28,7 +28,7 @@ from tapegrad.core.keys import NoKey, value_key
 from tapegrad.core.residual_policy import SAVE, is_plain, resolve_prefetch
 from tapegrad.core.tape import Lit, Record, Saved, Segment, Tape, Var, kind_of
 from tapegrad.engine.backward_schedule import schedule
-from tapegrad.engine.residuals import Residuals, _pack, _saved_values, _unpack
+from tapegrad.engine.residuals import Residuals, _pack, _saved_values, _unpack, tie_to
 from tapegrad.errors import ResidualError, where
 from tapegrad.rules import FALLBACK, Res, lookup
 
@@ -443,8 +443,7 @@ def backward(
             # computation; the barrier (tied to this backward step's cotangents, so it
             # cannot be hoisted into forward) keeps it a real recomputation.
             ids = list(vals)
-            barred, _ = lax.optimization_barrier((tuple(vals[i] for i in ids), tuple(trigger)))
-            vals = dict(zip(ids, barred))
+            vals = dict(zip(ids, tie_to(tuple(vals[i] for i in ids), trigger)))
         wanted = {k for k, _ in ev.held}
         records = [tape.records[k] for k in seg.records]
         out = None
@@ -473,6 +472,7 @@ def backward(
                 unpack(ev.record, ev.key, ev.saved)
         if any(g is not None for g in gs):
             x, y, aux = _saved_values(rec, rec.saves, keys, get)
+            stored = None
             if rec.bodies:
                 stored = store.get(("body", rec.index))
                 if stored is None:  # a recomputed loop: re-run it (its segment) first
@@ -481,6 +481,10 @@ def backward(
                         seg = next(g for g in tape.segments if rec.index in g.records)
                         _recompute(seg)
                         stored = recomputed.pop(("body", rec.index))
+            # The cotangents as this step's barriers handed them back (`tie_to`).
+            tied = iter(trigger)
+            gs = [None if g is None else next(tied) for g in gs]
+            if rec.bodies:
                 in_cts = kind_of(rec).backward(rec, x, stored, gs, retain, observer)
             else:
                 rule = lookup(rec.primitive) or FALLBACK

@@ -126,7 +126,21 @@ def _on_host(tree) -> bool:
     )
 
 
-def _unpack(res: Residuals, rec: Record, key, s, after=()):
+def tie_to(values, after: list):
+    """``values`` through one ``optimization_barrier`` with ``after`` (the cotangents of
+    the backward step that asks for them), so nothing that reads them can start before
+    that step's cotangents exist. ``after`` is replaced, in place, by the barrier's own
+    copies, which the step's rule then reads: XLA's algebraic simplifier drops a barrier
+    operand whose output nothing reads once that operand has no other user (it had none
+    after fusion duplicated the cotangent's producer into the barrier's operand, on a
+    transformer block on XLA:CPU), and the tie went with it: a recomputation was
+    scheduled in forward and held to backward (tests/test_compiled_plan.py)."""
+    values, tied = lax.optimization_barrier((values, tuple(after)))
+    after[:] = tied
+    return values
+
+
+def _unpack(res: Residuals, rec: Record, key, s, after: list | None = None):
     packed = res.store[key]
     if after and _on_host(packed):
         # Under a trace the host -> device copy has no input computed in backward, so
@@ -134,7 +148,7 @@ def _unpack(res: Residuals, rec: Record, key, s, after=()):
         # backward, one after the other, and the device held them all at once). Tied
         # to ``after`` (cotangents of the backward step that asks for it), the copy
         # starts there and overlaps the records up to its reader.
-        packed = lax.optimization_barrier((packed, tuple(after)))[0]
+        packed = tie_to(packed, after)
     if (
         res.plain
         or key in res.raw

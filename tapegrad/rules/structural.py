@@ -1,4 +1,4 @@
-"""Shape, layout and placement primitives: all linear, none saves anything."""
+"""Shape, layout, placement and scheduling primitives: all linear, none saves anything."""
 
 from __future__ import annotations
 
@@ -76,3 +76,20 @@ def _device_put_vjp(p, r, cts, active):
 # kind "transfer": run op by op, never as one jitted rule, since a jitted call cannot
 # move a value off its device set (a cotangent back from 8 devices to one).
 defrule(Rule("device_put", lambda p, ins, outs, active: (), _device_put_vjp, kind="transfer"))
+
+
+def _optimization_barrier_vjp(p, r, cts, active):
+    # Each operand's cotangent is its output's, through one barrier as in jax's transpose.
+    # An output without a cotangent gives its operand none: jax's transpose makes a dense
+    # zero there, in device memory even for a host-memory operand, which then fails (the
+    # outer derivative of a backward that brought an offloaded residual back, whose host
+    # value gets no cotangent: `_stands_for` sends it to the original).
+    live = [i for i, (a, g) in enumerate(zip(active, cts)) if a and g is not None]
+    out = [None] * len(active)
+    if live:
+        for i, g in zip(live, lax.optimization_barrier(tuple(cts[i] for i in live))):
+            out[i] = g
+    return out
+
+
+defrule(Rule("optimization_barrier", lambda p, ins, outs, active: (), _optimization_barrier_vjp))

@@ -301,6 +301,12 @@ CASES: list[Case] = [
     # placement: linear in the value (one device here; tests/test_placement.py has meshes)
     C("device_put", "to_device", lambda x: jax.device_put(x, jax.devices()[0]) * x, dtypes=ALL),
     C(
+        "optimization_barrier",
+        "pair",
+        lambda x: jnp.prod(jnp.stack(lax.optimization_barrier((jnp.sin(x), x * x)))) * x,
+        dtypes=ALL,
+    ),
+    C(
         "sharding_constraint",
         "single_device",
         lambda x: (
