@@ -48,11 +48,15 @@ def neural_ode(controller, adjoint, max_steps=256, budget_fraction=0.5) -> Case:
 
 
 CASES = {
+    # The planner's least peak is ~88% of save()'s (the loops' per-step residuals, which
+    # it did not count when these budgets were 50%: the plans "fit" and the run held more).
     "constant-recursive": lambda: neural_ode(
-        dfx.ConstantStepSize(), dfx.RecursiveCheckpointAdjoint(checkpoints=16)
+        dfx.ConstantStepSize(), dfx.RecursiveCheckpointAdjoint(checkpoints=16), budget_fraction=0.9
     ),
     "adaptive-recursive": lambda: neural_ode(
-        dfx.PIDController(1e-4, 1e-6), dfx.RecursiveCheckpointAdjoint(checkpoints=16)
+        dfx.PIDController(1e-4, 1e-6),
+        dfx.RecursiveCheckpointAdjoint(checkpoints=16),
+        budget_fraction=0.9,
     ),
     # BacksolveAdjoint keeps the final state only: no plan holds half of that.
     "adaptive-backsolve": lambda: neural_ode(
