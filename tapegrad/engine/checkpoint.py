@@ -282,10 +282,21 @@ def build_segments(
         for o in rec.outputs:
             producer[o.id] = rec
     recompute = [d == "recompute" for d in decisions]
+    needed, wanted = _needed(tape, producer, recompute)
+    groups = _groups(tape, producer, recompute, needed, wanted, copied)
+    return _segments(tape, producer, groups, wanted)
 
-    def recomputed(v: object) -> TypeGuard[Var]:
-        return isinstance(v, Var) and v.id in producer and recompute[producer[v.id].index]
 
+def _recomputed(v: object, producer: dict[int, Record], recompute: list[bool]) -> TypeGuard[Var]:
+    """Whether ``v`` is the output of a recomputed record."""
+    return isinstance(v, Var) and v.id in producer and recompute[producer[v.id].index]
+
+
+def _needed(
+    tape: Tape, producer: dict[int, Record], recompute: list[bool]
+) -> tuple[set[int], dict[int, set[int]]]:
+    """(the records backward re-runs, record -> the residual var ids it must provide):
+    the producers of recomputed residuals and what they read, within their region."""
     needed: set[int] = set()  # record indices to recompute
     wanted: dict[int, set[int]] = {}  # record -> residual var ids it must provide
     stack: list[Record] = []
@@ -300,7 +311,7 @@ def build_segments(
                     stack.append(rec)
                 continue
             v = rec.inputs[s.index] if s.kind == "in" else rec.outputs[s.index]
-            if recomputed(v):
+            if _recomputed(v, producer, recompute):
                 p = producer[v.id]
                 wanted.setdefault(p.index, set()).add(v.id)
                 stack.append(p)
@@ -310,9 +321,21 @@ def build_segments(
             continue
         needed.add(rec.index)
         for u in rec.inputs:
-            if recomputed(u) and producer[u.id].region == rec.region:
+            if _recomputed(u, producer, recompute) and producer[u.id].region == rec.region:
                 stack.append(producer[u.id])
+    return needed, wanted
 
+
+def _groups(
+    tape: Tape,
+    producer: dict[int, Record],
+    recompute: list[bool],
+    needed: set[int],
+    wanted: dict[int, set[int]],
+    copied: AbstractSet[int],
+) -> list[list[int]]:
+    """The needed records in connected groups (sorted record indices, the groups sorted):
+    data edges within a region join them, a copied record joins each group that reads it."""
     # Union-find over data edges between needed records of the same region.
     parent = {i: i for i in needed}
 
@@ -326,7 +349,8 @@ def build_segments(
     copies: set[int] = set()
     for j in sorted(needed & set(copied)):
         if j not in wanted and all(
-            not recomputed(u) or producer[u.id].index in copies for u in tape.records[j].inputs
+            not _recomputed(u, producer, recompute) or producer[u.id].index in copies
+            for u in tape.records[j].inputs
         ):
             copies.add(j)
     for i in needed - copies:
@@ -343,14 +367,23 @@ def build_segments(
         todo = list(members)
         while todo:
             for u in tape.records[todo.pop()].inputs:
-                j = producer[u.id].index if recomputed(u) else -1
+                j = producer[u.id].index if _recomputed(u, producer, recompute) else -1
                 if j in copies and j not in members:
                     members.append(j)
                     todo.append(j)
         members.sort()
+    return sorted(groups.values())
 
+
+def _segments(
+    tape: Tape,
+    producer: dict[int, Record],
+    groups_l: list[list[int]],
+    wanted: dict[int, set[int]],
+) -> tuple[Segment, ...]:
+    """The segments of the groups that provide backward something (`active_segments`),
+    each pruned to what its outputs need where every wanted value stays provided."""
     regions = {r.id: r for r in tape.regions}
-    groups_l = sorted(groups.values())
     inputs_of: list[dict[int, Var]] = []
     for idxs in groups_l:
         inside = {o.id for i in idxs for o in tape.records[i].outputs}

@@ -343,14 +343,40 @@ def _build(
     useful: set[int] = {
         o.id for o, d in zip(outs, diff) if d and isinstance(o, Var) and o.id in active
     }
+    acts, structured = _reach_back(b.raws, active, useful, body_act)
+    records = _records(b.raws, acts, structured)
+
+    # Records keep their masks here. Planning with the policy switches a record to the
+    # value its masks are read off where that value is kept anyway and comes back
+    # unchanged (`_rebuild.rebuilt_records`; in a loop body `_rebuild.shared_in_body`): a
+    # mask read off a rounded operand would be wrong.
+    tape = Tape(
+        inputs=tuple(in_vars),
+        records=tuple(records),
+        outputs=tuple(outs),
+        consts=tuple(b.consts),
+        active_inputs=tuple(bool(a) for a in active_inputs),
+        reached=tuple(v.id in useful for v in in_vars),
+        in_tree=in_tree,
+        out_tree=out_tree,
+        regions=tuple(b.regions),
+    )
+    return tape, b.top_lits
+
+
+def _reach_back(
+    raws: Sequence[_Raw], active: set[int], useful: set[int], body_act: dict[int, list[bool]]
+) -> tuple[dict[int, tuple[bool, ...]], dict[int, Record]]:
+    """Backward reachability: add to ``useful`` every active value a cotangent of a useful
+    one reaches; (each differentiated raw's active inputs, the loop/branch records built)."""
     # A record's input is differentiated only where a cotangent of a useful output
     # reaches it through the record's own rule (`Rule.links`; a loop's or branch's body):
     # an input that only a structurally zero cotangent would reach is not, and neither is
     # whatever computes it (symbolic zeros, decided once, here: nothing is kept for it).
     acts: dict[int, tuple[bool, ...]] = {}
     structured: dict[int, Record] = {}
-    for k in range(len(b.raws) - 1, -1, -1):
-        raw = b.raws[k]
+    for k in range(len(raws) - 1, -1, -1):
+        raw = raws[k]
         out_useful = [o.id in useful for o in raw.outputs]
         if not any(out_useful):
             continue
@@ -370,9 +396,16 @@ def _build(
             for i, a in zip(raw.inputs, act):
                 if a:
                     useful.add(i.id)
+    return acts, structured
 
+
+def _records(
+    raws: Sequence[_Raw], acts: dict[int, tuple[bool, ...]], structured: dict[int, Record]
+) -> list[Record]:
+    """The tape's records: each differentiated raw (``acts``: its active inputs) with
+    what its rule saves for them, the others with nothing."""
     records = []
-    for k, raw in enumerate(b.raws):
+    for k, raw in enumerate(raws):
         # A read-only view, not a copy: jax never mutates an equation's params, and
         # get_bind_params returns them as they are for plain primitives (call-like ones copy).
         params = MappingProxyType(raw.params)
@@ -396,35 +429,13 @@ def _build(
             continue
         act_in = acts[k]
         if raw.name in ("custom_jvp_rule", "custom_jvp_call"):
-            # The rule gives no tangent for what it closes over (jax 0.11 passes such a
-            # value to the call as a leading operand; jax.grad raises there too).
-            is_rule = raw.name == "custom_jvp_rule"
-            nc = (raw.params["rule"].call_params if is_rule else raw.params)["num_consts"]
-            if any(act_in[:nc]):
-                err = ClosesOverTracer(raw.params["name"] if is_rule else call_name(raw.params))
-                raise ClosedOverTracerError(
-                    f"{_closure_message(err)} ({frame_str(raw.source_info)})"
-                )
+            _check_no_closed_over_tangent(raw, act_in)
         if raw.name in STRUCTURED:
             records.append(structured[k])
             continue
         rule = _rule_for(raw)
         if rule.kind == "error":
-            raise ReverseModeError(
-                WHILE_ERROR(
-                    Record(
-                        k,
-                        raw.name,
-                        ins,
-                        outs_k,
-                        params,
-                        active=act_in,
-                        rule=rule.kind,
-                        prim=raw.prim,
-                        source_info=raw.source_info,
-                    )
-                )
-            )
+            raise _reverse_mode_error(k, raw, rule, params, act_in)
         refs = rule.saves(params, ins, outs_k, act_in)
         aux = list(rule.aux_avals(params, ins, outs_k, act_in)) if rule.aux_avals else []
         saves = []
@@ -457,23 +468,36 @@ def _build(
                 bind_params=bind_params,
             )
         )
+    return records
 
-    # Records keep their masks here. Planning with the policy switches a record to the
-    # value its masks are read off where that value is kept anyway and comes back
-    # unchanged (`_rebuild.rebuilt_records`; in a loop body `_rebuild.shared_in_body`): a
-    # mask read off a rounded operand would be wrong.
-    tape = Tape(
-        inputs=tuple(in_vars),
-        records=tuple(records),
-        outputs=tuple(outs),
-        consts=tuple(b.consts),
-        active_inputs=tuple(bool(a) for a in active_inputs),
-        reached=tuple(v.id in useful for v in in_vars),
-        in_tree=in_tree,
-        out_tree=out_tree,
-        regions=tuple(b.regions),
+
+def _reverse_mode_error(
+    k: int, raw: _Raw, rule: Any, params: Any, act_in: tuple[bool, ...]
+) -> ReverseModeError:
+    """The error for a raw no rule differentiates in reverse mode (a while loop's)."""
+    rec = Record(
+        k,
+        raw.name,
+        tuple(raw.inputs),
+        tuple(raw.outputs),
+        params,
+        active=act_in,
+        rule=rule.kind,
+        prim=raw.prim,
+        source_info=raw.source_info,
     )
-    return tape, b.top_lits
+    return ReverseModeError(WHILE_ERROR(rec))
+
+
+def _check_no_closed_over_tangent(raw: _Raw, act_in: tuple[bool, ...]) -> None:
+    """Raise where a custom_jvp's closed-over operands are differentiated: its rule gives
+    no tangent for what it closes over (jax 0.11 passes such a value to the call as a
+    leading operand; jax.grad raises there too)."""
+    is_rule = raw.name == "custom_jvp_rule"
+    nc = (raw.params["rule"].call_params if is_rule else raw.params)["num_consts"]
+    if any(act_in[:nc]):
+        err = ClosesOverTracer(raw.params["name"] if is_rule else call_name(raw.params))
+        raise ClosedOverTracerError(f"{_closure_message(err)} ({frame_str(raw.source_info)})")
 
 
 STRUCTURED = frozenset({"scan", "cond"})

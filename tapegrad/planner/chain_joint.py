@@ -257,125 +257,176 @@ def chain_joint_plan(
     slower than it are dropped (seconds only grow along the chain), so the program
     returns its optimum if that is at most ``bound``, else None."""
     n = ch.n
-    can_save = [f in (None, "save") for f in fixed]
-    can_rec = [f in (None, "recompute") for f in fixed]
     keys = [ch.key[i] for i in range(n)] + [k for ks in ch.aux for k in ks]
-    opt = _key_options(ch, keys, mechanisms, costs)
-    units: dict[tuple, _Unit] = {}
-    trans: list[tuple] = []  # (a, top, has_s, pending column, v[s] column, aux columns)
-    # pend[s][sig]: parts of the front of states (s, sig), each (stored bytes, seconds,
-    # parent front id, parent index, transition), merged when the program reaches s
-    pend: list[dict[tuple, list]] = [dict() for _ in range(n)]
-    final: list = []
-    stores: list[tuple] = []  # front id -> (S, t, parent fid, parent idx, trans)
+    prog = _Program(
+        ch, fixed, budget, _key_options(ch, keys, mechanisms, costs), costs, prefetch, bound
+    )
+    for p in range(-1, n - 1):
+        # the states after record p: before the chain, none kept yet
+        here: list[tuple[tuple, int | None]] = [((PENDING, 0, 0, None), 0)]
+        if p >= 0:
+            here = [(sig, prog.merged(parts)) for sig, parts in prog.pend[p].items()]
+        for sig, fid in here:
+            if fid is not None:
+                prog.extend(p + 1, sig, fid)
+    prog.end_at_last_record()
+    best = _best_entry(prog.final)
+    if best is None:
+        return None
+    dec, mech = _backtrack(ch, prog.trans, prog.stores, best)
+    return dec, mech, best[0], best[1]
 
-    def push(dest: list, S, t, fid, idx, tr):
-        dest.append((S, t, np.full(len(S), fid), idx, np.full(len(S), tr)))
 
-    def merged(parts: list) -> int | None:
+class _Program:
+    """The program's tables as it runs: the fronts (`stores`), the transitions taken, the
+    parts of each state's front not merged yet (`pend`), and the terminal entries."""
+
+    def __init__(
+        self,
+        ch: JointChain,
+        fixed: Sequence[str | None],
+        budget: int,
+        opt: dict,
+        costs: CostModel,
+        prefetch: int,
+        bound: float,
+    ):
+        self.ch, self.budget, self.opt = ch, budget, opt
+        self.costs, self.prefetch, self.bound = costs, prefetch, bound
+        self.can_save = [f in (None, "save") for f in fixed]
+        self.can_rec = [f in (None, "recompute") for f in fixed]
+        self.units: dict[tuple, _Unit] = {}
+        self.trans: list[tuple] = []  # (a, top, has_s, pending column, v[s] column, aux columns)
+        # pend[s][sig]: parts of the front of states (s, sig), each (stored bytes, seconds,
+        # parent front id, parent index, transition), merged when the program reaches s
+        self.pend: list[dict[tuple, list]] = [dict() for _ in range(ch.n)]
+        self.final: list = []
+        # front id -> (S, t, parent fid, parent idx, trans); front 0: nothing planned yet
+        self.stores: list[tuple] = [
+            (np.zeros(1, np.int64), np.zeros(1), np.full(1, -1), np.zeros(1, int), np.full(1, -1))
+        ]
+
+    def merged(self, parts: list) -> int | None:
+        """The Pareto front of ``parts`` stored as a new front: its id, None if empty."""
         S = np.concatenate([p[0] for p in parts])
         t = np.concatenate([p[1] for p in parts])
         keep = _pareto(S, t)
         if not len(keep):
             return None
-        stores.append(
+        self.stores.append(
             (S[keep], t[keep], *(np.concatenate([p[j] for p in parts])[keep] for j in (2, 3, 4)))
         )
-        return len(stores) - 1
+        return len(self.stores) - 1
 
-    stores.append(
-        (np.zeros(1, np.int64), np.zeros(1), np.full(1, -1), np.zeros(1, int), np.full(1, -1))
-    )
-    for p in range(-1, n - 1):
-        here: list[tuple[tuple, int | None]] = [((PENDING, 0, 0, None), 0)]  # none kept yet
-        if p >= 0:
-            here = [(sig, merged(parts)) for sig, parts in pend[p].items()]
-        for sig, fid in here:
-            if fid is None:
+    def extend(self, a: int, sig: tuple, fid: int) -> None:
+        """Every unit from record ``a`` on after the states ``sig`` of front ``fid``: what
+        fits goes to the front of the state after the unit, or is a terminal entry."""
+        ch, n, budget = self.ch, self.ch.n, self.budget
+        S0 = self.stores[fid][0]
+        vkind, aux_copy, prev_copy, promise = sig
+        for top in range(a, n + 1):
+            # top < n: run a..top-1 then top saved; top == n: a run to the end
+            if top > a and not self.can_rec[top - 1]:
+                break
+            has_s = top < n
+            if has_s and not self.can_save[top]:
                 continue
-            S0, t0 = stores[fid][0], stores[fid][1]
-            vkind, aux_copy, prev_copy, promise = sig
-            a = p + 1
-            for top in range(a, n + 1):
-                # top < n: run a..top-1 then top saved; top == n: a run to the end
-                if top > a and not can_rec[top - 1]:
-                    break
-                has_s = top < n
-                if has_s and not can_save[top]:
-                    continue
-                last = top if has_s else n - 1
-                key = (a, last, has_s)
-                u = units.get(key)
-                if u is None:
-                    u = units[key] = _unit(ch, a, last, has_s, prefetch)
-                if u.seg_peak > budget - S0[0]:
-                    break
-                if promise is not None and promise != u.seg:
-                    continue
-                base = u.fixed.copy()
-                if a >= 1 and vkind != PENDING:
-                    base += vkind * u.vprev
-                if prefetch and a >= 1:
-                    extra = aux_copy + (prev_copy if ch.saves_in[a - 1] else 0)
-                    base[u.f_a :] += extra
-                rec_s = costs.recompute_s(u.flops) if u.flops else 0.0
-                pend_opts: list = [(None, 0, 0, 0.0)]
-                if a >= 1 and vkind == PENDING and u.seg:
-                    pend_opts = opt[ch.key[a - 1]]
-                for pc, pst, pcp, psec in pend_opts:
-                    b2 = base
-                    if pc is not None:
-                        b2 = base.copy()
-                        b2[: u.r_t + 1] += pst
-                        b2[u.r_t] += pcp
-                    rest = int(b2[u.s_pts :].max()) if u.points > u.s_pts else 0
-                    if not has_s:
-                        _close(
-                            final,
-                            stores,
-                            fid,
-                            S0,
-                            t0,
-                            budget,
-                            rest,
-                            pst,
-                            psec + rec_s,
-                            bound,
-                            len(trans),
-                        )
-                        trans.append((a, top, False, pc, None, ()))
-                        continue
-                    own = _own(ch, top, u, b2, opt, prefetch, vkind, a)
-                    for vs, auxs, dS, dt, m, nsig in _undominated(own, rest):
-                        k = int(np.searchsorted(S0, budget - m, side="right"))
-                        if k == 0:
-                            continue
-                        S = S0[:k] + (pst + dS)
-                        t = t0[:k] + (psec + rec_s + dt)
-                        keep = (S <= budget) & (t <= bound)
-                        if not keep.any():
-                            continue
-                        tr = len(trans)
-                        trans.append((a, top, True, pc, vs, auxs))
-                        push(
-                            pend[top].setdefault(nsig, []),
-                            S[keep],
-                            t[keep],
-                            fid,
-                            np.arange(k)[keep],
-                            tr,
-                        )
-    for sig, parts in pend[n - 1].items():
-        if sig[3] is True:
-            continue
-        end = merged(parts)
-        if end is not None:
-            S, t = stores[end][0], stores[end][1]
-            final.append((S, t, np.full(len(S), end), np.arange(len(S)), np.full(len(S), -2)))
-    if not final:
-        return None
-    # best over terminal entries: a final run (trans >= 0, parent = the state before it)
-    # or a state at n-1 (trans -2: the entry itself)
+            last = top if has_s else n - 1
+            key = (a, last, has_s)
+            u = self.units.get(key)
+            if u is None:
+                u = self.units[key] = _unit(ch, a, last, has_s, self.prefetch)
+            if u.seg_peak > budget - S0[0]:
+                break
+            if promise is not None and promise != u.seg:
+                continue
+            base = u.fixed.copy()
+            if a >= 1 and vkind != PENDING:
+                base += vkind * u.vprev
+            if self.prefetch and a >= 1:
+                extra = aux_copy + (prev_copy if ch.saves_in[a - 1] else 0)
+                base[u.f_a :] += extra
+            rec_s = self.costs.recompute_s(u.flops) if u.flops else 0.0
+            pend_opts: list = [(None, 0, 0, 0.0)]
+            if a >= 1 and vkind == PENDING and u.seg:
+                pend_opts = self.opt[ch.key[a - 1]]
+            for pc, pst, pcp, psec in pend_opts:
+                b2 = base
+                if pc is not None:
+                    b2 = base.copy()
+                    b2[: u.r_t + 1] += pst
+                    b2[u.r_t] += pcp
+                rest = int(b2[u.s_pts :].max()) if u.points > u.s_pts else 0
+                if has_s:
+                    self.save_top(fid, a, top, u, b2, rest, vkind, pc, pst, psec + rec_s)
+                else:
+                    self.run_to_end(fid, a, rest, pc, pst, psec + rec_s)
+
+    def save_top(
+        self, fid: int, a: int, top: int, u: _Unit, b2, rest: int, vkind: int, pc, pst, secs
+    ) -> None:
+        """The unit ``a..top`` with record ``top`` saved, each of its choices for ``top``'s
+        residuals: the partial plans that fit, a part of the next state's front."""
+        S0, t0 = self.stores[fid][0], self.stores[fid][1]
+        budget = self.budget
+        own = _own(self.ch, top, u, b2, self.opt, self.prefetch, vkind, a)
+        for vs, auxs, dS, dt, m, nsig in _undominated(own, rest):
+            k = int(np.searchsorted(S0, budget - m, side="right"))
+            if k == 0:
+                continue
+            S = S0[:k] + (pst + dS)
+            t = t0[:k] + (secs + dt)
+            keep = (S <= budget) & (t <= self.bound)
+            if not keep.any():
+                continue
+            tr = len(self.trans)
+            self.trans.append((a, top, True, pc, vs, auxs))
+            S, idx = S[keep], np.arange(k)[keep]
+            self.pend[top].setdefault(nsig, []).append(
+                (S, t[keep], np.full(len(S), fid), idx, np.full(len(S), tr))
+            )
+
+    def run_to_end(self, fid: int, a: int, rest: int, pc, dS, dt) -> None:
+        """A run from record ``a`` to the end after the front ``fid``: what fits is a
+        terminal entry."""
+        tr = len(self.trans)
+        self.trans.append((a, self.ch.n, False, pc, None, ()))
+        S0, t0 = self.stores[fid][0], self.stores[fid][1]
+        k = int(np.searchsorted(S0, self.budget - rest, side="right"))
+        if k == 0:
+            return
+        S = S0[:k] + dS
+        t = t0[:k] + dt
+        keep = (S <= self.budget) & (t <= self.bound)
+        self.final.append(
+            (
+                S[keep],
+                t[keep],
+                np.full(int(keep.sum()), fid),
+                np.arange(k)[keep],
+                np.full(int(keep.sum()), tr),
+            )
+        )
+
+    def end_at_last_record(self) -> None:
+        """The states at the last record (but those promising a recomputation after it)
+        as terminal entries."""
+        stores = self.stores
+        for sig, parts in self.pend[self.ch.n - 1].items():
+            if sig[3] is True:
+                continue
+            end = self.merged(parts)
+            if end is not None:
+                S, t = stores[end][0], stores[end][1]
+                self.final.append(
+                    (S, t, np.full(len(S), end), np.arange(len(S)), np.full(len(S), -2))
+                )
+
+
+def _best_entry(final: list) -> tuple[float, int, int, int, int] | None:
+    """(seconds, stored bytes, front id, index, transition) of the fastest terminal entry
+    (then the fewest bytes): a final run (transition >= 0, its parent the state before
+    it) or a state at the last record (transition -2: the entry itself); None if none."""
     best = None
     for S, t, pfid, pidx, tr in final:
         if not len(t):
@@ -384,17 +435,21 @@ def chain_joint_plan(
         cand = (float(t[j]), int(S[j]), int(pfid[j]), int(pidx[j]), int(tr[j]))
         if best is None or cand[:2] < best[:2]:
             best = cand
-    if best is None:
-        return None
-    secs, stored, fid, k, tr = best
-    dec = ["save"] * n
+    return best
+
+
+def _backtrack(ch: JointChain, trans: list, stores: list, best: tuple) -> tuple[list[str], dict]:
+    """The decisions and mechanism columns of the plan ending at terminal entry ``best``,
+    from its transitions back to the chain's start."""
+    _, _, fid, k, tr = best
+    dec = ["save"] * ch.n
     mech: dict = {}
     if tr == -2:
         tr = int(stores[fid][4][k])
         fid, k = int(stores[fid][2][k]), int(stores[fid][3][k])
     while tr >= 0:
         a, top, has_s, pc, vs, auxs = trans[tr]
-        end = top if has_s else n
+        end = top if has_s else ch.n
         for j in range(a, end):
             dec[j] = "recompute"
         if pc is not None:
@@ -408,7 +463,7 @@ def chain_joint_plan(
             break
         tr = int(stores[fid][4][k])
         fid, k = int(stores[fid][2][k]), int(stores[fid][3][k])
-    return dec, mech, secs, stored
+    return dec, mech
 
 
 def _undominated(own: list, rest: int) -> list:
@@ -428,25 +483,6 @@ def _undominated(own: list, rest: int) -> list:
         ):
             keep.append(r)
     return keep
-
-
-def _close(final, stores, fid, S0, t0, budget, rest, dS, dt, bound, tr) -> None:
-    """A run to the end from the front ``fid``: what fits is a terminal entry."""
-    k = int(np.searchsorted(S0, budget - rest, side="right"))
-    if k == 0:
-        return
-    S = S0[:k] + dS
-    t = t0[:k] + dt
-    keep = (S <= budget) & (t <= bound)
-    final.append(
-        (
-            S[keep],
-            t[keep],
-            np.full(int(keep.sum()), fid),
-            np.arange(k)[keep],
-            np.full(int(keep.sum()), tr),
-        )
-    )
 
 
 def _own(ch, s, u, b2, opt, prefetch, vkind, a):

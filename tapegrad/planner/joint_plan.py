@@ -56,12 +56,40 @@ def plan_joint(pol: Any, tape: Tape, fixed: list, hints: list) -> tuple[tuple, d
     seg = costs.segment_flops()
     sc = Scorer(tape, fixed, pol.bytes, seg_flops=seg)
     hinted = sc.with_fixed("save" if h is None or h.saves else "recompute" for h in hints)
+    cands, late, scored_plans = _candidates(pol, tape, fixed, hints, sc, hinted, costs, seg)
+    winner, prefetch, floor = _fastest_fit(pol, tape, sc, cands, fixed, costs, late)
+    if winner is None:
+        raise BudgetError(
+            f"no plan ({', '.join(pol.allow)}) found that keeps activation residuals "
+            f"under {pol.bytes:,} bytes; the smallest peak among the plans tried is "
+            f"{floor or 0:,} bytes. Raise the budget to at least that, allow more "
+            "mechanisms (allow=, max_error=), or make a finer-grained program "
+            "(e.g. tg.checkpoint per layer) so less must be held at once."
+        )
+    _, dec, _, _, tl, opts, choice = winner
+    names = opts.names(choice)
+    pol.last = _summary(sc, winner, names, scored_plans, prefetch)
+    mech = {k: m for k, m in zip(tl.keys, names) if m != "save"}
+    return dec, _to_canonical(tape, mech)
+
+
+def _candidates(
+    pol: Any,
+    tape: Tape,
+    fixed: list,
+    hints: list,
+    sc: Any,
+    hinted: tuple,
+    costs: Any,
+    seg: float,
+) -> tuple[list[tuple[tuple, str]], list[tuple[tuple, str]], int]:
+    """The save/recompute plans to complete: (the candidates the searches start from, the
+    late ones completed after them, how many plans the save/recompute searches scored)."""
     cands: list[tuple[tuple, str]] = [(hinted, "hints")]
     # Candidates completed and compared after the searches, not started from: the
     # descents are sensitive to their starts, and one more start moved them to
     # worse plans as often as to better ones (`bench/RESULTS.md`, session 13).
     late: list[tuple[tuple, str]] = []
-    floor = None
     scored_plans = 0  # plans simulated by the save/recompute searches, and below
 
     def descend_flops(sr: Any, family: str) -> None:
@@ -75,39 +103,49 @@ def plan_joint(pol: Any, tape: Tape, fixed: list, hints: list) -> tuple[tuple, d
             if sr.best is not None:
                 late.append((sr.best[2], family))
 
-    if "recompute" in pol.allow:
-        save_peak = sc.score(hinted)[0]
-        if pol.bytes < save_peak:
-            # One save/recompute search at the budget (at its floor when nothing
-            # fits); the (peak, flops) Pareto front of every plan it scored gives
-            # the relaxed candidates: less recompute, more bytes left to move.
-            sr, best = _save_recompute(tape, fixed, hints, pol.bytes, seg_flops=seg)
+    if "recompute" not in pol.allow:
+        return cands, late, scored_plans
+    save_peak = sc.score(hinted)[0]
+    if pol.bytes < save_peak:
+        # One save/recompute search at the budget (at its floor when nothing
+        # fits); the (peak, flops) Pareto front of every plan it scored gives
+        # the relaxed candidates: less recompute, more bytes left to move.
+        sr, best = _save_recompute(tape, fixed, hints, pol.bytes, seg_flops=seg)
+        scored_plans += sr.scores
+        if best is None and sr.floor is not None:
+            floor_peak = sr.floor  # (the descent below may lower it)
+            # Nothing it scored fits without mechanisms: a descent by flops
+            # repairing its least-peak plan may find one that does (one more
+            # candidate; the search goes on at the floor as before).
+            descend_flops(sr, "repaired by flops")
+            sr, best = _save_recompute(tape, fixed, hints, floor_peak, seg_flops=seg)
             scored_plans += sr.scores
-            if best is None and sr.floor is not None:
-                floor_peak = sr.floor  # (the descent below may lower it)
-                # Nothing it scored fits without mechanisms: a descent by flops
-                # repairing its least-peak plan may find one that does (one more
-                # candidate; the search goes on at the floor as before).
-                descend_flops(sr, "repaired by flops")
-                sr, best = _save_recompute(tape, fixed, hints, floor_peak, seg_flops=seg)
-                scored_plans += sr.scores
-            if best is not None:
-                cands.append((best[2], best[3]))
-                cands += [(d, "relaxed") for d in _relaxed(sr, best[1], save_peak)]
-                # and the flops descent's plan: it crosses plans over the budget,
-                # which the searches by step time do not
-                descend_flops(sr, "flops descent")
-            # The joint ILP's plans. On tapes of up to `WIDE_RECORDS` records the
-            # searches reach local optima from their own starts, and started from,
-            # an ILP plan held the kicks in its basin (a 69-record DAG at 55%: 1.797
-            # µs with it, 1.505 without): compared after the searches there. On
-            # larger tapes the searches stop at their work limits and an ILP plan
-            # is the best start they have (`bench/RESULTS.md`, session 16).
-            ilp_plans = C._joint_ilp_candidate(tape, fixed, pol, costs)
-            if len(tape.records) <= ilp_joint.WIDE_RECORDS:
-                late += ilp_plans
-            else:
-                cands += ilp_plans
+        if best is not None:
+            cands.append((best[2], best[3]))
+            cands += [(d, "relaxed") for d in _relaxed(sr, best[1], save_peak)]
+            # and the flops descent's plan: it crosses plans over the budget,
+            # which the searches by step time do not
+            descend_flops(sr, "flops descent")
+        # The joint ILP's plans. On tapes of up to `WIDE_RECORDS` records the
+        # searches reach local optima from their own starts, and started from,
+        # an ILP plan held the kicks in its basin (a 69-record DAG at 55%: 1.797
+        # µs with it, 1.505 without): compared after the searches there. On
+        # larger tapes the searches stop at their work limits and an ILP plan
+        # is the best start they have (`bench/RESULTS.md`, session 16).
+        ilp_plans = C._joint_ilp_candidate(tape, fixed, pol, costs)
+        if len(tape.records) <= ilp_joint.WIDE_RECORDS:
+            late += ilp_plans
+        else:
+            cands += ilp_plans
+    return cands, late, scored_plans
+
+
+def _fastest_fit(
+    pol: Any, tape: Tape, sc: Any, cands: list, fixed: list, costs: Any, late: list
+) -> tuple[Any, int, int | None]:
+    """(the fastest completed plan that fits or None, its prefetch depth, the least peak
+    any candidate reaches)."""
+    floor = None
     # Plan with copies brought back one record ahead (at first use where nothing fits
     # so), then bring them back as early as the cost model asks (`cost.prefetch_depth`)
     # where the plan still fits: the model charges a copy's full time at any depth, so
@@ -130,20 +168,16 @@ def plan_joint(pol: Any, tape: Tape, fixed: list, hints: list) -> tuple[tuple, d
             if peak <= pol.bytes:
                 winner, prefetch = ((total, peak), dec, family, how, tl, opts, choice), k
                 break
-    if winner is None:
-        raise BudgetError(
-            f"no plan ({', '.join(pol.allow)}) found that keeps activation residuals "
-            f"under {pol.bytes:,} bytes; the smallest peak among the plans tried is "
-            f"{floor or 0:,} bytes. Raise the budget to at least that, allow more "
-            "mechanisms (allow=, max_error=), or make a finer-grained program "
-            "(e.g. tg.checkpoint per layer) so less must be held at once."
-        )
+    return winner, prefetch, floor
+
+
+def _summary(sc: Any, winner: Any, names: list, scored_plans: int, prefetch: int) -> dict:
+    """`Budget.last` for the plan ``winner`` (``names``: its residuals' mechanisms)."""
     (total, peak), dec, family, how, tl, opts, choice = winner
-    names = opts.names(choice)
     counts = {m: names.count(m) for m in joint.COLUMNS if m in names}
     r = np.arange(len(tl.keys))
     nseg = len(sc.index.segments(dec))
-    pol.last = {
+    return {
         "peak_bytes": peak,
         "recompute_flops": tl.recompute_flops - nseg * sc.index.seg_flops,
         "recompute_segments": nseg,
@@ -167,8 +201,6 @@ def plan_joint(pol: Any, tape: Tape, fixed: list, hints: list) -> tuple[tuple, d
             )
         ),
     }
-    mech = {k: m for k, m in zip(tl.keys, names) if m != "save"}
-    return dec, _to_canonical(tape, mech)
 
 
 def complete(

@@ -82,7 +82,7 @@ def descend(
     repaired first where they do not fit), then from the second fastest, sharing
     `JOINT_WORK` record-evaluations, then kicks from the best plan found for
     `JOINT_KICK_WORK` more, aimed first at the records where that plan spends its
-    time (`hot`); when some candidate fits, and not on tapes over
+    time (`_hot_records`); when some candidate fits, and not on tapes over
     `JOINT_RECORDS` records nor on the chains `chain_joint` plans exactly.
     Returns the plans it improves, scored like the others."""
     n = len(tape.records)
@@ -91,9 +91,47 @@ def descend(
     if n <= chain_joint.MAX_RECORDS and chain_joint.joint_chain(tape, prefetch) is not None:
         return []
     left = C.JOINT_WORK // max(n, 1)
+    facts = {} if facts is None else facts
+    complete = _greedy_completion(pol, sc, prefetch, costs, facts)
+    fitting = sorted((c for c in scored if c[0] is not None), key=lambda c: c[0])
+    if not fitting:
+        # Nothing to improve on: `joint_plan.plan_joint` tries prefetch 0 next, or gives up.
+        # (Repairing from the class plans instead spent ~2 s CPU below the floor of
+        # the bench's 69-record DAG, and fitted nothing.)
+        return []
+    starts = [(c[2], c[3]) for c in fitting[:1]]
+    starts += _class_starts(sc)
+    starts += [(c[2], c[3]) for c in fitting[1:2]]
+    best = fitting[0][0]
+    out: list[list[Any]] = []
+    kick = C.JOINT_KICK_WORK // max(n, 1)
+    found, _ = search.iterate_joint(
+        sc,
+        [s for s, _ in starts],
+        lambda d, beat: complete(d, beat)[0],
+        left,
+        kick,
+        _hot_records(tape, sc, costs, complete),
+        C.SWAP_WORK // max(n, 1),
+        C.ANNEAL_WORK // max(n, 1),
+    )
+    for k, dec, (over, total) in found:
+        if over == 0 and total < best * (1 - 1e-9):
+            best = total
+            _, rec_s, tl, opts, choice = complete(dec)
+            family = starts[k][1] + "+joint descent"
+            out.append([total, rec_s, dec, family, "greedy", tl, opts, choice])
+    return out
+
+
+def _greedy_completion(
+    pol: Any, sc: Any, prefetch: int, costs: Any, facts: dict[int, dict[str, Any]]
+) -> Callable[..., Any]:
+    """`descend`'s scoring of a plan, memoized: ``complete(dec, beat)`` is (its key for
+    the search, recompute seconds, timeline, options, greedy choice), or only the key
+    where a bound shows it cannot beat ``beat``."""
     memo: dict[tuple, Any] = {}
     rows: dict[tuple, Any] = {}  # `joint.options`' rows, by residual key
-    facts = {} if facts is None else facts
 
     def complete(dec: tuple, beat: tuple[int, float] | None = None) -> Any:
         got = memo.get(dec)
@@ -129,17 +167,14 @@ def descend(
             got = memo[dec] = (key, rec_s, tl, opts, choice)
         return got
 
-    fitting = sorted((c for c in scored if c[0] is not None), key=lambda c: c[0])
-    if not fitting:
-        # Nothing to improve on: `joint_plan.plan_joint` tries prefetch 0 next, or gives up.
-        # (Repairing from the class plans instead spent ~2 s CPU below the floor of
-        # the bench's 69-record DAG, and fitted nothing.)
-        return []
-    starts = [(c[2], c[3]) for c in fitting[:1]]
-    starts += _class_starts(sc)
-    starts += [(c[2], c[3]) for c in fitting[1:2]]
-    best = fitting[0][0]
-    out: list[list[Any]] = []
+    return complete
+
+
+def _hot_records(
+    tape: Tape, sc: Any, costs: Any, complete: Callable[..., Any]
+) -> Callable[[tuple], list[int]]:
+    """`descend`'s aim for its kicks: ``hot(dec)``, the records where plan ``dec`` spends
+    time, costliest first."""
     producer = {o.id: r.index for r in tape.records for o in r.outputs}
 
     def hot(dec: tuple) -> list[int]:
@@ -160,24 +195,7 @@ def descend(
                 spend[i] = spend.get(i, 0.0) + secs
         return sorted(spend, key=lambda i: (-spend[i], i))
 
-    kick = C.JOINT_KICK_WORK // max(n, 1)
-    found, _ = search.iterate_joint(
-        sc,
-        [s for s, _ in starts],
-        lambda d, beat: complete(d, beat)[0],
-        left,
-        kick,
-        hot,
-        C.SWAP_WORK // max(n, 1),
-        C.ANNEAL_WORK // max(n, 1),
-    )
-    for k, dec, (over, total) in found:
-        if over == 0 and total < best * (1 - 1e-9):
-            best = total
-            _, rec_s, tl, opts, choice = complete(dec)
-            family = starts[k][1] + "+joint descent"
-            out.append([total, rec_s, dec, family, "greedy", tl, opts, choice])
-    return out
+    return hot
 
 
 def windows(

@@ -8,7 +8,7 @@ so nested schedules recurse through the one scan implementation.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -280,24 +280,15 @@ def revolve_backward(rec: Record, x: list, st: Any, gs: list, retain: bool) -> l
     step_in = [body.inputs[nc + nk + j] for j in range(n_xs)]  # one step of each xs
     one = _part(rec, 1, c_act)
 
-    def window(vals, t):
-        return [None if v is None else v.take(t, 1) for v in vals]
-
-    def carry_cts(in_cts):
-        return [
-            _ct_or_zeros(c, v.shape, v.dtype) if c_act[j] else None
-            for j, (c, v) in enumerate(zip(in_cts[nc : nc + nk], body.inputs[nc : nc + nk]))
-        ]
-
     def turn(carry, ct_c, acc, t, keep):
         """Step t's residuals from its carry, then its backward."""
         if keep is None:
-            _, keep = _forward_part(one, [*consts, *carry, *window(xs, t)], st.res, None, t)
+            _, keep = _forward_part(one, [*consts, *carry, *_one_step(xs, t)], st.res, None, t)
         in_cts = _backward_part(
             one,
-            [*consts, *([None] * nk), *window(xs, t)],
+            [*consts, *([None] * nk), *_one_step(xs, t)],
             keep,
-            [*ct_c, *window(g_ys, t)],
+            [*ct_c, *_one_step(g_ys, t)],
             retain and keep is st.rem,
             None,
         )
@@ -306,7 +297,11 @@ def revolve_backward(rec: Record, x: list, st: Any, gs: list, retain: bool) -> l
             _ct_or_zeros(c if c is None else c[0], v.shape, v.dtype) if x_act[j] else None
             for j, (c, v) in enumerate(zip(in_cts[nc + nk :], step_in))
         ]
-        return carry_cts(in_cts), acc, ct_x
+        ct_c = [
+            _ct_or_zeros(c, v.shape, v.dtype) if c_act[j] else None
+            for j, (c, v) in enumerate(zip(in_cts[nc : nc + nk], body.inputs[nc : nc + nk]))
+        ]
+        return ct_c, acc, ct_x
 
     def advance(carry, t):
         outs, _ = forward(body, [*consts, *carry, *(v.step(t) for v in xs)], SAVE)
@@ -332,63 +327,10 @@ def revolve_backward(rec: Record, x: list, st: Any, gs: list, retain: bool) -> l
     ):
         slots: list[Any] = _snapshot_list(cps, nk) + [None] * (plan.slots - len(plan.spine))
         cps = None  # a slot overwritten frees its snapshot (unless forward's are retained)
-        ct_rows: list[Any] = [None] * (T - 1)
-        carry: Any = None
-        for t, kind, restore, store in plan.actions.tolist():
-            if restore >= 0:
-                carry = slots[restore]
-            if store >= 0:
-                slots[store] = carry
-            if kind == TURN:
-                ct_c, acc, ct_rows[t] = turn(carry, ct_c, acc, t, None)
-            else:
-                carry = tuple(advance(carry, t))
-        ct_main: list[Any] = [
-            jnp.stack([row[j] for row in ct_rows]) if x_act[j] else None for j in range(n_xs)
-        ]
+        ct_c, acc, ct_main = _replay_eagerly(plan, slots, x_act, turn, advance, ct_c, acc)
     elif plan.recomputed:
         buf = _snapshot_buffer(cps, nk, plan.slots + 1)  # + a scratch row
-        scratch = plan.slots
-
-        def act(state, a):
-            carry, buf, ct_c, acc, ct_buf = state
-            t, kind, restore, store = a[0], a[1], a[2], a[3]
-            got = [lax.dynamic_index_in_dim(b, jnp.maximum(restore, 0), 0, False) for b in buf]
-            carry = [lax.select(restore >= 0, g, c) for g, c in zip(got, carry)]
-            at = jnp.where(store >= 0, store, scratch)
-            buf = [lax.dynamic_update_index_in_dim(b, c, at, 0) for b, c in zip(buf, carry)]
-
-            def do_turn(op):
-                carry, ct_c, acc = op
-                ct_c, acc, ct_x = turn(carry, ct_c, acc, t, None)
-                return carry, ct_c, acc, ct_x
-
-            def do_advance(op):
-                carry, ct_c, acc = op
-                zeros = [
-                    jnp.zeros(v.shape, v.dtype) if x_act[j] else None for j, v in enumerate(step_in)
-                ]
-                return advance(carry, t), ct_c, acc, zeros
-
-            carry, ct_c, acc, ct_x = lax.cond(
-                kind == TURN, do_turn, do_advance, (list(carry), ct_c, acc)
-            )
-            # Steps below the one being reversed have no cotangent yet: an advance's
-            # zeros are overwritten by that step's own turn later.
-            ct_buf = [
-                None if b is None else lax.dynamic_update_index_in_dim(b, c, t, 0)
-                for b, c in zip(ct_buf, ct_x)
-            ]
-            return (carry, buf, ct_c, acc, ct_buf), None
-
-        carry0 = [lax.dynamic_index_in_dim(b, 0, 0, False) for b in buf]
-        ct_buf0 = [
-            jnp.zeros((T - 1, *v.shape), v.dtype) if x_act[j] else None
-            for j, v in enumerate(step_in)
-        ]
-        (_, _, ct_c, acc, ct_main), _ = lax.scan(
-            act, (carry0, buf, ct_c, acc, ct_buf0), jnp.asarray(plan.actions)
-        )
+        ct_c, acc, ct_main = _replay_in_scan(plan, buf, step_in, x_act, turn, advance, ct_c, acc)
     else:
         ct_main = [
             jnp.zeros((0, *v.shape), v.dtype) if x_act[j] else None for j, v in enumerate(step_in)
@@ -399,6 +341,90 @@ def revolve_backward(rec: Record, x: list, st: Any, gs: list, retain: bool) -> l
             ct = jnp.concatenate([ct_main[j], ct_last[j][None]])  # in run order
             ct_xs[j] = jnp.flip(ct, 0) if rev else ct
     return _input_cts(rec, acc, ct_c, c_act, ct_xs)
+
+
+def _one_step(vals: list, t: Any) -> list:
+    """Step ``t`` of each windowed value (None stays None)."""
+    return [None if v is None else v.take(t, 1) for v in vals]
+
+
+def _replay_eagerly(
+    plan: Any, slots: list, x_act: list, turn: Callable, advance: Callable, ct_c: list, acc: list
+) -> tuple[list, list, list]:
+    """The revolve plan's actions as a Python loop over the snapshots ``slots`` (each a
+    tuple of carries): (the carries' and consts' cotangents, the scanned inputs' stacked
+    cotangents of the first T-1 steps)."""
+    ct_rows: list[Any] = [None] * (plan.length - 1)
+    carry: Any = None
+    for t, kind, restore, store in plan.actions.tolist():
+        if restore >= 0:
+            carry = slots[restore]
+        if store >= 0:
+            slots[store] = carry
+        if kind == TURN:
+            ct_c, acc, ct_rows[t] = turn(carry, ct_c, acc, t, None)
+        else:
+            carry = tuple(advance(carry, t))
+    ct_main: list[Any] = [
+        jnp.stack([row[j] for row in ct_rows]) if x_act[j] else None for j in range(len(x_act))
+    ]
+    return ct_c, acc, ct_main
+
+
+def _replay_in_scan(
+    plan: Any,
+    buf: list,
+    step_in: list,
+    x_act: list,
+    turn: Callable,
+    advance: Callable,
+    ct_c: list,
+    acc: list,
+) -> tuple[list, list, list]:
+    """The revolve plan's actions as one ``lax.scan`` over them, the snapshots stacked per
+    carry in ``buf`` (with a scratch row last): as `_replay_eagerly`."""
+    scratch = plan.slots
+
+    def act(state, a):
+        carry, buf, ct_c, acc, ct_buf = state
+        t, kind, restore, store = a[0], a[1], a[2], a[3]
+        got = [lax.dynamic_index_in_dim(b, jnp.maximum(restore, 0), 0, False) for b in buf]
+        carry = [lax.select(restore >= 0, g, c) for g, c in zip(got, carry)]
+        at = jnp.where(store >= 0, store, scratch)
+        buf = [lax.dynamic_update_index_in_dim(b, c, at, 0) for b, c in zip(buf, carry)]
+
+        def do_turn(op):
+            carry, ct_c, acc = op
+            ct_c, acc, ct_x = turn(carry, ct_c, acc, t, None)
+            return carry, ct_c, acc, ct_x
+
+        def do_advance(op):
+            carry, ct_c, acc = op
+            zeros = [
+                jnp.zeros(v.shape, v.dtype) if x_act[j] else None for j, v in enumerate(step_in)
+            ]
+            return advance(carry, t), ct_c, acc, zeros
+
+        carry, ct_c, acc, ct_x = lax.cond(
+            kind == TURN, do_turn, do_advance, (list(carry), ct_c, acc)
+        )
+        # Steps below the one being reversed have no cotangent yet: an advance's
+        # zeros are overwritten by that step's own turn later.
+        ct_buf = [
+            None if b is None else lax.dynamic_update_index_in_dim(b, c, t, 0)
+            for b, c in zip(ct_buf, ct_x)
+        ]
+        return (carry, buf, ct_c, acc, ct_buf), None
+
+    carry0 = [lax.dynamic_index_in_dim(b, 0, 0, False) for b in buf]
+    ct_buf0 = [
+        jnp.zeros((plan.length - 1, *v.shape), v.dtype) if x_act[j] else None
+        for j, v in enumerate(step_in)
+    ]
+    (_, _, ct_c, acc, ct_main), _ = lax.scan(
+        act, (carry0, buf, ct_c, acc, ct_buf0), jnp.asarray(plan.actions)
+    )
+    return ct_c, acc, ct_main
 
 
 def _snapshot_list(cps, nk: int) -> list:
