@@ -93,17 +93,16 @@ def timeline(tape: Tape, prefetch: int = 0, memo: dict | None = None) -> Timelin
     flops = 0.0
     for st in schedule(tape, prefetch).steps:
         for ev in st.events:
-            kind = type(ev)
-            if kind is Unpack:
+            if type(ev) is Unpack:
                 i = idx.get(ev.key)
                 if i is not None and unpack[i] < 0:
                     unpack[i] = len(fixed)  # present from the next point on
-            elif kind is Release:
+            elif type(ev) is Release:
                 held -= extra.pop(ev.key, 0)
                 i = idx.get(ev.key)
                 if i is not None:
                     release[i] = len(fixed) - 1
-            elif kind is Recompute:
+            elif type(ev) is Recompute:
                 seg_flops, seg_peak = segment_cost(tape, ev.segment, memo)
                 flops += seg_flops
                 fixed.append(held + seg_peak)

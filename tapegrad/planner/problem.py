@@ -93,10 +93,9 @@ def simulate(
 
     for st in schedule(tape).steps:
         for ev in st.events:
-            kind = type(ev)
-            if kind is Release:
+            if type(ev) is Release:
                 live -= size.get(ev.key, 0) + extra.pop(ev.key, 0)
-            elif kind is Recompute:
+            elif type(ev) is Recompute:
                 seg_flops, seg_peak = segment_cost(tape, ev.segment, memo)
                 flops += seg_flops
                 peak = max(peak, live + seg_peak)
@@ -105,7 +104,7 @@ def simulate(
                     if v is not None:
                         extra[key] = v.nbytes
                         live += v.nbytes
-            elif kind is Run:
+            elif type(ev) is Run:
                 peak = max(peak, live)
                 at(st.record.index, live)
     return peak, flops, size
