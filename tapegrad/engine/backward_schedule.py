@@ -85,6 +85,7 @@ class Step:
 class Schedule:
     steps: tuple[Step, ...]
     recomputes: dict[int, Recompute]  # segment id -> how it is re-run
+    recomputed: dict[Any, int]  # residual key -> the segment that remakes it
     # uses of each residual key by backward: one per record reading it, one per segment
     # taking it as an input; a key is released when its count reaches zero
     uses: dict[Any, int]
@@ -157,7 +158,7 @@ def _build(tape: Tape, prefetch: int) -> Schedule:
     order = [r for r in reversed(tape.records) if r.rule != "none"]
     unpacked: set[Any] = set()
     held: set[Any] = set()  # recomputed values not yet released
-    events: list[Any] = []
+    events: list[Any] = []  # the current step's, emptied at each step
 
     def is_kept(key) -> bool:
         return key not in seg_of if kept is None else key in kept
@@ -185,7 +186,7 @@ def _build(tape: Tape, prefetch: int) -> Schedule:
 
     steps = []
     for n, rec in enumerate(order):
-        events = []
+        events.clear()
         for nxt in order[n + 1 : n + 1 + prefetch]:
             for s, key in zip(nxt.saves, keys[nxt.index]):
                 if is_kept(key):
@@ -206,4 +207,4 @@ def _build(tape: Tape, prefetch: int) -> Schedule:
         for key in keys[rec.index]:
             release(key)
         steps.append(Step(rec, keys[rec.index], pre, tuple(events)))
-    return Schedule(tuple(steps), recomputes, uses, prefetch)
+    return Schedule(tuple(steps), recomputes, seg_of, uses, prefetch)

@@ -394,7 +394,7 @@ def backward(
     remaining = dict(sched.uses)  # uses left in this backward, per residual
     unpacked: dict[Any, Any] = {}
     recomputed: dict[Any, Any] = {}
-    seg_of = tape.residual_keys()[1] if tape.segments else {}
+    seg_of = sched.recomputed
     trigger: list = []  # the cotangents of the record being processed
 
     def release(key) -> None:
