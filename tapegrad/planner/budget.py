@@ -238,6 +238,7 @@ class Budget:
                     else []
                 ),
                 seg_flops=costs.segment_flops(),
+                least=True,
             )
             if best is None:
                 raise BudgetError(

@@ -39,6 +39,7 @@ __all__ = [
     "JOINT_CLASSES",
     "SMALL_SEARCH",
     "CHAIN_DP_RECORDS",
+    "CHAIN_LEAST_RECORDS",
 ]
 
 # The joint descent (`joint_search.descend`): record-evaluations it may spend (one
@@ -90,6 +91,9 @@ SMALL_SEARCH = 1_000
 # The longest tape the exact chain program plans (~1 s for the whole plan at ~130
 # records on a 2-core CPU).
 CHAIN_DP_RECORDS = 160
+# The longest chain on which a budget no plan fits bisects the chain program's plans
+# for the least peak the BudgetError names (~7 programs, each at a budget that prunes).
+CHAIN_LEAST_RECORDS = 80
 
 # Relaxed budgets for the save/recompute plans the joint planner completes with
 # mechanisms: the budget itself, then less recompute and more bytes left to move.

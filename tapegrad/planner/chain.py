@@ -10,7 +10,9 @@ tape's inputs), the executor's schedule (`problem.estimate`) decomposes:
   live bytes are exactly the kept bytes of everything before the run (that is
   what a chain guarantees: everything after it has been released), plus the
   outputs the record after the run keeps for itself, plus the segment's own
-  recomputation peak;
+  recomputation peak; once it has run, its input is released and what it made is
+  held: the values backward needs and the derived values its records remake (a
+  custom_vjp's residuals);
 * the other candidate for the peak is the end of forward: every kept byte.
 
 So ``peak = max(kept_total, max over runs (kept_before(run) + local(run)))`` and the
@@ -119,9 +121,10 @@ def chain_plan(ch: Chain, fixed: Sequence[str | None], budget: int) -> list[str]
         seg_in = ch.out_bytes[i - 1] if i > 0 and not ch.wanted[i - 1] else 0
         c = None
         kept_inside = 0  # wanted outputs of the segment recomputed so far
+        made = 0  # and the derived values its records remake (held after it runs)
         seg_peak = 0
         seg_flops = 0.0
-        at_c = (0, 0.0)  # (segment_peak, flops) of the segment [i..c]
+        at_c = (0, 0.0, 0)  # (segment_peak, flops, bytes held after) of [i..c]
         for b in range(i, n):
             if not can_rec[b]:
                 break
@@ -133,9 +136,10 @@ def chain_plan(ch: Chain, fixed: Sequence[str | None], budget: int) -> list[str]
             seg_flops += ch.flops[b]
             if ch.wanted[b]:
                 kept_inside += ch.out_bytes[b]
+            made += ch.aux_bytes[b]
             if need[b]:
                 c = b
-                at_c = (seg_peak, seg_flops)
+                at_c = (seg_peak, seg_flops, kept_inside + made)
             nxt = b + 1
             if nxt < n and not can_save[nxt]:
                 continue
@@ -144,9 +148,10 @@ def chain_plan(ch: Chain, fixed: Sequence[str | None], budget: int) -> list[str]
                     k_in, f_new = k, f
                 else:
                     k_in = k + seg_in
-                    sp, sf = at_c
+                    sp, sf, after = at_c
                     t_own = own[nxt] if (c == b and nxt < n and ch.saves_in[nxt]) else 0
-                    if k_in + t_own + sp > budget:
+                    # while it runs; then its input released, what it made held
+                    if t_own + max(k_in + sp, k + after) > budget:
                         continue
                     f_new = f + sf
                 if nxt == n:

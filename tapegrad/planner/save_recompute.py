@@ -23,7 +23,13 @@ __all__ = ["_save_recompute", "_class_starts", "_descend_flops"]
 
 
 def _save_recompute(
-    tape: Tape, fixed: list, hints: list, budget: int, more: Any = None, seg_flops: float = 0.0
+    tape: Tape,
+    fixed: list,
+    hints: list,
+    budget: int,
+    more: Any = None,
+    seg_flops: float = 0.0,
+    least: bool = False,
 ) -> tuple[Any, Any]:
     """The save/recompute search at ``budget``: (scorer, best) with best = (flops, peak,
     decisions, family) or None when nothing fits (``scorer.floor``: the least peak seen).
@@ -32,7 +38,9 @@ def _save_recompute(
     flops from the best (`_descend_flops`). ``seg_flops``: each recomputed segment's
     fixed cost (`CostModel.segment_flops`). The joint planner gives none: its own
     descent scores by step time, and a flops descent here only moved its starts
-    (worse on 6 of 39 `bench/ilp_bench.py` cells compared, better on 2)."""
+    (worse on 6 of 39 `bench/ilp_bench.py` cells compared, better on 2). ``least``:
+    where nothing fits on a chain, find the least peak of any plan (`_least_on_chain`)
+    for the error to name."""
     sc = Scorer(tape, fixed, budget, seg_flops=seg_flops)
     hinted = sc.with_fixed("save" if h is None or h.saves else "recompute" for h in hints)
     if sc.fits(hinted, "hints"):
@@ -44,6 +52,8 @@ def _save_recompute(
         chain_dec = chain_plan(ch, fixed, budget)
         if chain_dec is not None:
             sc.score(chain_dec, "chain DP")
+        elif least and len(tape.records) <= C.CHAIN_LEAST_RECORDS:
+            _least_on_chain(sc, ch, fixed, budget)
     else:
         # (its own bound, ~133,000 record-simulations, on tapes the limit does not bind)
         small = sc.limit >= C.SMALL_SEARCH
@@ -64,6 +74,20 @@ def _save_recompute(
         if ch is None and sc.n <= C.JOINT_RECORDS:
             _descend_flops(sc)
     return sc, sc.best
+
+
+def _least_on_chain(sc: Scorer, ch: Any, fixed: list, budget: int) -> None:
+    """No plan fits: score the chain program's plans at budgets bisected between
+    ``budget`` and the least peak seen, so that the scorer's floor, which the
+    BudgetError names, is the least peak of any plan."""
+    lo, hi = budget, sc.floor if sc.floor is not None else sum(ch.out_bytes) + sum(ch.aux_bytes)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        dec = chain_plan(ch, fixed, mid)
+        if dec is None:
+            lo = mid
+        else:
+            hi = min(mid, sc.score(dec, "chain DP, least peak")[0])
 
 
 def _class_starts(sc: Any) -> list[tuple[tuple[str, ...], str]]:
