@@ -163,11 +163,16 @@ def _plan_bodies(tape: Tape, policy: Any) -> Tape:
                 plan_recompute(b, policy, decide_records(b, policy, whole=False))
                 for b in (shared_in_body(b, kept_exact) for b in rec.bodies)
             )
-            snaps = int(revolve(rec)) if revolve is not None else 0
+            # the loop's schedule is chosen for the steps as its planned body keeps them
+            planned = rec
+            if any(b is not a for a, b in zip(rec.bodies, bodies)):
+                planned = dataclasses.replace(rec, bodies=bodies)
+                planned = dataclasses.replace(planned, saves=outer_saves(planned))
+            snaps = int(revolve(planned)) if revolve is not None else 0
             if schedule is not None:
-                levels = tuple(schedule(rec))
+                levels = tuple(schedule(planned))
             elif segment is not None:
-                got = segment(rec)
+                got = segment(planned)
                 levels = tuple(getattr(got, "levels", (got,)))
                 snaps = int(getattr(got, "snapshots", snaps))
             else:

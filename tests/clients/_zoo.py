@@ -22,12 +22,6 @@ from tapegrad import policies as P
 MODES = ("eager", "jit", "offload", "budget", "memory")  # and "at_save" (see `matrix`)
 
 # Why a case's at_save mode is an expected failure, where it is one.
-LOOP_STEP_COPIES = (
-    "at_save: budget() gives the scan a checkpoint schedule though keeping every step fits "
-    "(choose_loop_schedule's own peak model), and the tape's planner does not count that "
-    "schedule's recomputation transient (the report's 'bwd i step' point): the run holds "
-    "more than save()'s peak (haiku layer_stack: 576 B against 492 B)"
-)
 PLANNER_ABOVE_SAVE = (
     "the planner's least peak exceeds the peak save() itself reaches (memory_report)"
 )

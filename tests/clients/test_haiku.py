@@ -12,7 +12,7 @@ hk = pytest.importorskip("haiku")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from ._zoo import LOOP_STEP_COPIES, Case, check, matrix  # noqa: E402
+from ._zoo import Case, check, matrix  # noqa: E402
 
 LAYERS, WIDTH, BATCH = 4, 8, 3
 
@@ -71,7 +71,7 @@ def case(name: str) -> Case:
     return CASES[name]()
 
 
-XFAIL: dict = {("layer_stack-remat-mlp", "at_save"): LOOP_STEP_COPIES}
+XFAIL: dict = {}
 
 
 SLOW: set = set()
