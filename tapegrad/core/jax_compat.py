@@ -200,22 +200,38 @@ def bwd_checks_disabled() -> bool:
 _BWD_WITH_LOGS = hasattr(jax.custom_vjp, "defvjp_with_logs")
 
 
-def custom_vjp_forwarded_residuals(params: dict, active: list[bool]) -> list[int | None]:
-    """Per residual of a ``custom_vjp_call``'s fwd: the index of the call's operand it is
-    the very array of when run (jax's ``input_fwds``, or a fwd jaxpr output that is one
-    of its inputs), or None."""
+def custom_vjp_residual_aliases(params: dict, active: list[bool]) -> list[tuple[str, int] | None]:
+    """Per residual of a ``custom_vjp_call``'s fwd, the value it is the very array of when
+    run: ``("in", i)``, the call's operand ``i`` (jax's ``input_fwds``, or a fwd jaxpr
+    output that is one of its inputs); ``("out", j)``, the call's output ``j`` (jaxopt's
+    implicit-diff solvers keep the solution so); ``("aux", k)``, an earlier residual
+    ``k`` (a fwd returning one array twice); ``("lit", k)``, a constant of the fwd
+    jaxpr (no array); or None."""
     num_consts = params["num_consts"]
     fwd_jaxpr, _ = params["fwd_jaxpr_thunk"].call_wrapped(*active[num_consts:])
     _, _, input_fwds = params["out_trees"]()
     num_res_out = len(fwd_jaxpr.outvars) - len(params["call_jaxpr"].out_avals)
-    inner = iter(forwarded_outputs(fwd_jaxpr)[:num_res_out])
-    out: list[int | None] = []
-    for f in input_fwds:
+    res_vars, out_vars = fwd_jaxpr.outvars[:num_res_out], fwd_jaxpr.outvars[num_res_out:]
+    from_in = iter(forwarded_outputs(fwd_jaxpr)[:num_res_out])
+    rest = iter(res_vars)
+    first: dict[Any, int] = {}
+    out: list[tuple[str, int] | None] = []
+    for k, f in enumerate(input_fwds):
         if f is not None:
-            out.append(f)
+            out.append(("in", f))
+            continue
+        v, i = next(rest), next(from_in)
+        if i is not None:
+            out.append(("in", num_consts + i))
+        elif not isinstance(v, jex_core.Var):
+            out.append(("lit", k))  # a constant: the program holds it, no array does
+        elif v in first:
+            out.append(("aux", first[v]))
+        elif any(v is o for o in out_vars):
+            out.append(("out", next(j for j, o in enumerate(out_vars) if v is o)))
         else:
-            j = next(inner)
-            out.append(None if j is None else num_consts + j)
+            first[v] = k
+            out.append(None)
     return out
 
 

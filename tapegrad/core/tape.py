@@ -198,6 +198,12 @@ class Record:
     # Binomial checkpointing (revolve): at most `snapshots` carries held at once, the
     # fewest forward steps re-run for that (0: not revolve; `schedule` is then 0).
     snapshots: int = 0
+    # Per derived value (``aux`` residual): the value it is the very array of when run,
+    # ``("in", i)`` / ``("out", j)`` / ``("aux", k)`` (`residual_key` shares that value's
+    # key), ``("lit", k)`` for a constant (no array: `caller_ids`), or None; () where
+    # none is (a custom_vjp's fwd returning an operand, its output, one residual twice
+    # or a constant: `jax_compat.custom_vjp_residual_aliases`).
+    aliases: tuple[tuple[str, int] | None, ...] = field(default=(), repr=False)
 
     @property
     def trip_count(self) -> int:
@@ -228,10 +234,16 @@ class Record:
     def residual_key(self, s: Saved) -> Any:
         """The key of one of this record's residuals: the `Var` id for an input or
         output (shared by every record saving that value), ``("aux", record, k)``
-        for a derived value."""
-        if s.kind == "aux":
-            return ("aux", self.index, s.index)
-        v = self.inputs[s.index] if s.kind == "in" else self.outputs[s.index]
+        for a derived value, the key of the value it is where it is one (`aliases`)."""
+        kind, index = s.kind, s.index
+        if kind == "aux":
+            alias = self.aliases[index] if self.aliases else None
+            if alias is None or alias[0] in ("aux", "lit"):
+                return ("aux", self.index, index if alias is None else alias[1])
+            kind, index = alias
+            v = self.inputs[index] if kind == "in" else self.outputs[index]
+            return v.id if isinstance(v, Var) else ("aux", self.index, s.index)
+        v = self.inputs[index] if kind == "in" else self.outputs[index]
         return cast(Var, v).id  # a literal input is never saved (the program holds it)
 
     @property
@@ -385,8 +397,9 @@ class Tape:
         """Residual keys of the values that are the caller's own arrays when the tape
         runs: its inputs and constants, outputs of records that hand one of them back as
         it is (`jax_compat.forwarded_outputs`: `stop_gradient`, `jnp.asarray`), and a
-        custom_vjp's residuals that are its operands. Keeping one costs backward no
-        memory: the caller holds it anyway. Computed once per tape."""
+        custom_vjp's residuals that are its operands (`Record.aliases`) or constants.
+        Keeping one costs backward no memory: the caller (or the program) holds it
+        anyway. Computed once per tape."""
         got = _CALLER.get(self)
         if got is None:
             ids: set[Any] = {v.id for v in self.inputs} | {v.id for v, _ in self.consts}
@@ -395,13 +408,14 @@ class Tape:
                 src = rec.inputs[i] if i is not None else None
                 return isinstance(src, Var) and src.id in ids
 
+            # (a custom_vjp's residual that is its operand has the operand's key: `aliases`)
             for rec in self.records:
                 ids.update(out.id for out, i in zip(rec.outputs, _forwarded(rec)) if held(i, rec))
-                if rec.primitive == "custom_vjp_call" and any(s.kind == "aux" for s in rec.saves):
-                    # A custom_vjp's fwd may return an operand as a residual (jax's
-                    # input_fwds): that aux value is the operand's array.
-                    fwds = compat.custom_vjp_forwarded_residuals(dict(rec.params), list(rec.active))
-                    ids.update(("aux", rec.index, k) for k, i in enumerate(fwds) if held(i, rec))
+                ids.update(
+                    ("aux", rec.index, k)
+                    for k, a in enumerate(rec.aliases)
+                    if a and (a[0] == "lit" or (a[0] == "in" and type(rec.inputs[a[1]]) is Lit))
+                )
             got = _CALLER[self] = frozenset(ids)
         return got
 

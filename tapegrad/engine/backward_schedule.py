@@ -138,11 +138,15 @@ def _reader(tape: Tape, seg: Segment, v: Var) -> Record:
 
 def _recompute(tape: Tape, seg: Segment, seg_of: dict[Any, int]) -> Recompute:
     held: list[tuple[Any, Any]] = [(o.id, o) for o in seg.outputs]
+    seen = {o.id for o in seg.outputs}
     for k in seg.records:
         rec = tape.records[k]
         for s in rec.saves:
-            if s.kind == "aux" and rec.residual_key(s) in seg_of:
-                held.append((rec.residual_key(s), s))
+            key = rec.residual_key(s)
+            # (a derived value that is another's array has its key: `Record.aliases`)
+            if s.kind == "aux" and key in seg_of and key not in seen:
+                seen.add(key)
+                held.append((key, s))
         if rec.bodies and rec.rule != "none":
             held.append((("body", rec.index), None))
     readers = tuple(_reader(tape, seg, v) for v in seg.inputs)

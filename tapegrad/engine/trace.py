@@ -466,6 +466,7 @@ def _records(
                 prim=raw.prim,
                 source_info=raw.source_info,
                 bind_params=bind_params,
+                aliases=tuple(rule.aliases(params, act_in)) if rule.aliases and aux else (),
             )
         )
     return records

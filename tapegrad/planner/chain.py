@@ -68,16 +68,20 @@ def as_chain(tape: Tape) -> Chain | None:
     for i, rec in enumerate(tape.records):
         if rec.rule == "none":
             continue
+        outs = {o.id for o in rec.outputs}
+        seen = set()
         for s in rec.saves:
-            if s.kind == "aux":
+            # by key: a derived value that is an input's or output's array has its key
+            key = rec.residual_key(s)
+            if key in free or key in seen:
+                continue
+            seen.add(key)
+            if isinstance(key, tuple):  # ("aux", record, k)
                 aux[i] += s.nbytes
                 continue
-            v = rec.inputs[s.index] if s.kind == "in" else rec.outputs[s.index]
-            if not isinstance(v, Var) or v.id in free:
-                continue
-            j = i if s.kind == "out" else i - 1
-            wanted[j] = True
-            (saves_out if s.kind == "out" else saves_in)[i] = True
+            out = key in outs
+            wanted[i if out else i - 1] = True
+            (saves_out if out else saves_in)[i] = True
     return Chain(
         tuple(r.outputs[0].nbytes for r in tape.records),
         tuple(wanted),

@@ -383,8 +383,9 @@ class TapeIndex:
                     live += b
                 for j in seg.records:  # derived residuals it makes (a custom_vjp's)
                     for key in self.aux_keys[j]:
-                        extra[key] = b = self.key_obj[key].nbytes
-                        live += b
+                        if key in seg_of and key not in extra:  # (not another's array)
+                            extra[key] = b = self.key_obj[key].nbytes
+                            live += b
                 for v in seg.inputs:
                     k = v.id
                     remaining[k] -= 1
@@ -506,8 +507,9 @@ class TapeIndex:
                     held += b
                 for j in seg.records:  # derived residuals it makes (a custom_vjp's)
                     for key in self.aux_keys[j]:
-                        extra[key] = b = nbytes(key, self.key_obj[key])
-                        held += b
+                        if key in seg_of and key not in extra:  # (not another's array)
+                            extra[key] = b = nbytes(key, self.key_obj[key])
+                            held += b
                 for v in seg.inputs:
                     k = v.id
                     remaining[k] -= 1

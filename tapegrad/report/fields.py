@@ -105,18 +105,23 @@ def _saves_label(rec, keys, first_user, skip=frozenset()) -> str:
     return ",".join(dict.fromkeys(parts)) or "(segment input)"
 
 
+def _label(rec) -> str:
+    """A row's primitive: a tg.Function / custom_vjp by its name."""
+    return custom_vjp_name(rec.params) if rec.primitive == "custom_vjp_call" else rec.primitive
+
+
 def _owners(tape: Tape, keys) -> tuple[dict[int, list], dict[Any, str]]:
     """(record index -> the kept keys charged to it, key -> its first saver's primitive).
     A value is charged to its producer, else to its first saver; a loop record's
     per-step residuals to the loop record."""
     producer = {o.id: rec.index for rec in tape.records for o in rec.outputs}
     owner: dict[Any, int] = {}
-    first_user: dict[Any, str] = {}  # the primitive of the first record that keeps the value
+    first_user: dict[Any, str] = {}  # the label of the first record that keeps the value
     for rec in tape.records:
         for s_ in rec.saves:
             key = rec.residual_key(s_)
             owner.setdefault(key, producer.get(key, rec.index))
-            first_user.setdefault(key, rec.primitive)
+            first_user.setdefault(key, _label(rec))
         if rec.bodies:
             owner[("body", rec.index)] = rec.index
     for seg in tape.segments:
@@ -167,13 +172,10 @@ def _rows(
                     bm.bits[b] if bits is not None else None,
                 )
             )
-        label = rec.primitive
-        if label == "custom_vjp_call":  # show a tg.Function / custom_vjp by its name
-            label = custom_vjp_name(rec.params)
         rows.append(
             RecordMemory(
                 rec.index,
-                label,
+                _label(rec),
                 rec.source,
                 _saves_label(rec, keys, first_user, skip),
                 acc[0],

@@ -91,6 +91,10 @@ class Rule:
     # An input it cannot reach gets a symbolic zero, decided when the tape is built, as
     # jax's linearize knows which tangents a custom_jvp rule reads (rules/custom_jvp.py).
     links: Callable[..., Sequence[bool]] | None = None
+    # aliases(params, active) -> per derived value, the input ("in", i), output ("out",
+    # j) or earlier derived value ("aux", k) it is the very array of when run, or None:
+    # it then shares that value's residual key (`Record.aliases`), kept once.
+    aliases: Callable[..., Sequence[tuple[str, int] | None]] | None = None
 
 
 RULES: dict[str, Rule] = {}

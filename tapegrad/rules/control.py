@@ -101,6 +101,10 @@ def _cvjp_saves(p, ins, outs, active):
     return tuple(("aux", k) for k in range(len(_cvjp_res_avals(p, ins, active))))
 
 
+def _cvjp_aliases(p, active):
+    return compat.custom_vjp_residual_aliases(dict(p), list(active))
+
+
 def _cvjp_derive(rec, ins):
     return compat.custom_vjp_forward(dict(rec.params), list(ins), list(rec.active))
 
@@ -138,6 +142,7 @@ defrule(
         _cvjp_vjp,
         derive=_cvjp_derive,
         aux_avals=_cvjp_avals,
+        aliases=_cvjp_aliases,
         kind="custom_vjp",
     )
 )

@@ -48,15 +48,17 @@ def neural_ode(controller, adjoint, max_steps=256, budget_fraction=0.5) -> Case:
 
 
 CASES = {
-    # The planner's least peak is ~88% of save()'s (the loops' per-step residuals, which
-    # it did not count when these budgets were 50%: the plans "fit" and the run held more).
+    # The planner's least peak is save()'s own (1,488 B; adaptive 1,368 B): what backward
+    # holds is the adjoint's own checkpoints, kept by one custom_vjp. (Before its residuals
+    # that are operands or outputs shared their keys, a 90% budget "fit" at 1,548 B
+    # predicted and the run held 1,910 B.)
     "constant-recursive": lambda: neural_ode(
-        dfx.ConstantStepSize(), dfx.RecursiveCheckpointAdjoint(checkpoints=16), budget_fraction=0.9
+        dfx.ConstantStepSize(), dfx.RecursiveCheckpointAdjoint(checkpoints=16), budget_fraction=1.0
     ),
     "adaptive-recursive": lambda: neural_ode(
         dfx.PIDController(1e-4, 1e-6),
         dfx.RecursiveCheckpointAdjoint(checkpoints=16),
-        budget_fraction=0.9,
+        budget_fraction=1.0,
     ),
     # BacksolveAdjoint keeps the final state only: no plan holds half of that.
     "adaptive-backsolve": lambda: neural_ode(
@@ -72,6 +74,8 @@ def case(name: str) -> Case:
     return CASES[name]()
 
 
+# The planner's least peak is above save()'s measured one: 226 B for 216 B (233 B
+# before a custom_vjp's residuals that are its outputs or operands shared their keys).
 XFAIL = {
     ("adaptive-backsolve", "budget"): PLANNER_ABOVE_SAVE,
     ("adaptive-backsolve", "at_save"): PLANNER_ABOVE_SAVE,

@@ -13,7 +13,7 @@ eqxi = pytest.importorskip("equinox.internal")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from ._zoo import PLANNER_ABOVE_SAVE, Case, check, matrix  # noqa: E402
+from ._zoo import Case, check, matrix  # noqa: E402
 
 
 def checkpointed_while() -> Case:
@@ -28,7 +28,9 @@ def checkpointed_while() -> Case:
         return jnp.sum(x**2)
 
     w = 0.5 * jax.random.normal(jax.random.key(0), (4, 4))
-    return Case(loss, (w, jnp.ones(4)), argnums=(0, 1))
+    # Its residuals are the checkpointed loop's own (one custom_vjp): no plan holds less
+    # than save()'s 131 B, so the budget is that peak.
+    return Case(loss, (w, jnp.ones(4)), argnums=(0, 1), budget_fraction=1.0)
 
 
 def filter_checkpoint() -> Case:
@@ -86,11 +88,9 @@ def case(name: str) -> Case:
     return CASES[name]()
 
 
-XFAIL: dict = {
-    (name, mode): PLANNER_ABOVE_SAVE
-    for name in ("while_loop-checkpointed",)
-    for mode in ("budget", "at_save")
-}
+# (checkpointed while_loop: its custom_vjp keeps its operands and constants as
+# residuals, which the planner once counted as arrays of their own: 143 B for 131 B)
+XFAIL: dict = {}
 
 
 SLOW = {("nn-conv-layernorm-mlp", "eager"), ("nn-conv-layernorm-mlp", "budget")}
