@@ -76,132 +76,151 @@ def replay(
     (``by_rec``: the kept keys charged to each record; ``unseen``: `jax.vjp` estimates by
     the top-level record whose backward runs them)."""
     plain = is_plain(policy)
-    input_ids = {v.id for v in tape.inputs} | {v.id for v, _ in tape.consts}
-    sizes_acc, sizes, kind_of, caller = acc.bytes_of, acc.sizes, acc.kind_of, acc.caller
-    lk = [0, 0, 0]  # live bytes by kind (device, host, compressed), mirroring ``live``
+    r = _Replay(tape, plain, acc, unseen)
+    r.forward(by_rec)
+    for st in schedule(tape, 0 if plain else resolve_prefetch(policy, tape)).steps:
+        for ev in st.events:
+            if type(ev) is Unpack:
+                r.unpack(ev.key, ev.saved.nbytes)
+            elif type(ev) is Release:
+                r.release(ev.key)
+            elif type(ev) is Recompute:
+                r.recompute(ev, st.record)
+            else:
+                r.run(st.record)
+        r.point(f"bwd {st.record.index}")
+    return Timeline(
+        tuple(r.points),
+        tuple(r.kinds),
+        r.residual,
+        r.peak,
+        r.peak_beyond,
+        r.input_live,
+        tuple(r.plan_points),
+    )
 
-    def add_kind(key, sign=1):
-        for i, b in enumerate(kind_of.get(key, (0, 0, 0))):
-            lk[i] += sign * b
 
-    unseen_at: dict[int, int] = {}  # top-level record -> largest estimate run within it
-    for at, u in unseen:
-        unseen_at[at] = max(unseen_at.get(at, 0), u.bytes)
+class _Replay:
+    """`replay`'s running counts: live bytes (all, the caller's, and by kind: device,
+    host, compressed), the device copies and recomputed values backward holds per key,
+    the peaks, and the points recorded so far."""
 
-    timeline = []
-    timeline_kinds = []
-    live = sum(sizes[k] for k in sizes if isinstance(k, int) and k in input_ids)
-    caller_live = sum(caller.get(k, 0) for k in sizes if isinstance(k, int) and k in input_ids)
-    for k in sizes:
-        if isinstance(k, int) and k in input_ids:
-            add_kind(k)
-    input_live = live
-    # The schedule as a budget's planner sees it (`tapegrad.planner.joint.Timeline`): device and
-    # compressed bytes of activations (the tape's own inputs not counted) at the end of
-    # forward, at each recomputation and during each record's backward.
-    inp = {k for k in sizes if isinstance(k, int) and k in input_ids}
-    inp_lk = sum(kind_of[k][0] + kind_of[k][2] for k in inp)
-    plan_points: list[tuple[str, int]] = []
-    for rec in tape.records:
-        for key in by_rec.get(rec.index, ()):
-            if not (isinstance(key, int) and key in input_ids):
-                live += sizes[key]
-                caller_live += caller.get(key, 0)
-                add_kind(key)
-        timeline.append((f"fwd {rec.index}", live))
-        timeline_kinds.append((lk[0], lk[1], lk[2]))
-    residual = live
-    plan_points.append(("forward", lk[0] + lk[2] - inp_lk))
-    extra: dict[Any, int] = {}  # unpacked device copies and recomputed values, per key
+    def __init__(
+        self, tape: Tape, plain: bool, acc: Accounts, unseen: Sequence[tuple[int, UnseenBackward]]
+    ):
+        self.tape, self.plain = tape, plain
+        self.sizes_acc, self.sizes, self.kind_of, self.caller = (
+            acc.bytes_of,
+            acc.sizes,
+            acc.kind_of,
+            acc.caller,
+        )
+        self.input_ids = {v.id for v in tape.inputs} | {v.id for v, _ in tape.consts}
+        self.lk = [0, 0, 0]  # live bytes by kind (device, host, compressed), as ``live``
+        self.unseen_at: dict[int, int] = {}  # top-level record -> largest estimate within it
+        for at, u in unseen:
+            self.unseen_at[at] = max(self.unseen_at.get(at, 0), u.bytes)
+        self.points: list[tuple[str, int]] = []
+        self.kinds: list[tuple[int, int, int]] = []
+        # The schedule as a budget's planner sees it (`tapegrad.planner.joint.Timeline`):
+        # device and compressed bytes of activations (the tape's own inputs not counted) at
+        # the end of forward, at each recomputation and during each record's backward.
+        self.plan_points: list[tuple[str, int]] = []
+        self.inp = {k for k in self.sizes if isinstance(k, int) and k in self.input_ids}
+        self.live = sum(self.sizes[k] for k in self.inp)
+        self.caller_live = sum(self.caller.get(k, 0) for k in self.inp)
+        for k in self.inp:
+            self._add_kind(k)
+        self.input_live = self.live
+        self.inp_lk = sum(self.kind_of[k][0] + self.kind_of[k][2] for k in self.inp)
+        self.extra: dict[Any, int] = {}  # unpacked device copies and recomputed values
+        self.residual = self.peak = self.peak_beyond = 0
 
-    def _moved(key) -> bool:
+    def _add_kind(self, key, sign=1) -> None:
+        for i, b in enumerate(self.kind_of.get(key, (0, 0, 0))):
+            self.lk[i] += sign * b
+
+    def point(self, label: str, transient: int = 0) -> None:
+        self.points.append((label, self.live + transient))
+        self.kinds.append((self.lk[0] + transient, self.lk[1], self.lk[2]))
+
+    def plan_point(self, label: str, transient: int = 0) -> None:
+        self.plan_points.append((label, self.lk[0] + self.lk[2] - self.inp_lk + transient))
+
+    def forward(self, by_rec: dict[int, list]) -> None:
+        """Each record's kept keys become live; its point follows it."""
+        for rec in self.tape.records:
+            for key in by_rec.get(rec.index, ()):
+                if not (isinstance(key, int) and key in self.input_ids):
+                    self.live += self.sizes[key]
+                    self.caller_live += self.caller.get(key, 0)
+                    self._add_kind(key)
+            self.point(f"fwd {rec.index}")
+        self.residual = self.peak = self.live
+        self.peak_beyond = self.live - self.caller_live
+        self.plan_point("forward")
+
+    def reach(self, total: int) -> None:
+        self.peak = max(self.peak, total)
+        self.peak_beyond = max(self.peak_beyond, total - self.caller_live)
+
+    def _moved(self, key) -> bool:
         # Unpacking makes a device copy only of what packing moved to host or shrank; a
         # residual kept as it is on device (a budget's "save") unpacks to itself.
-        a = sizes_acc.get(key)
+        a = self.sizes_acc.get(key)
         return a is None or bool(a[1] or a[2] or a[3])
 
-    peak = live
-    peak_beyond = live - caller_live
+    def release(self, key) -> None:
+        copy = self.extra.pop(key, 0)
+        self.live -= self.sizes.get(key, 0) + copy
+        self.caller_live -= self.caller.get(key, 0)
+        self._add_kind(key, -1)
+        self.lk[0] -= copy
+        if key in self.inp:
+            self.inp_lk -= self.kind_of[key][0] + self.kind_of[key][2] + copy
 
-    def reach(total: int) -> None:
-        nonlocal peak, peak_beyond
-        peak = max(peak, total)
-        peak_beyond = max(peak_beyond, total - caller_live)
-
-    def release(key):
-        nonlocal live, caller_live, inp_lk
-        copy = extra.pop(key, 0)
-        live -= sizes.get(key, 0) + copy
-        caller_live -= caller.get(key, 0)
-        add_kind(key, -1)
-        lk[0] -= copy
-        if key in inp:
-            inp_lk -= kind_of[key][0] + kind_of[key][2] + copy
-
-    def unpack(key, nbytes: int) -> None:
-        # The device copy unpacking brings back: only of what packing moved or shrank.
-        nonlocal live, inp_lk
-        if plain or key not in sizes or caller.get(key, 0) >= sizes[key] or not _moved(key):
+    def unpack(self, key, nbytes: int) -> None:
+        """The device copy unpacking brings back: only of what packing moved or shrank."""
+        sizes = self.sizes
+        if (
+            self.plain
+            or key not in sizes
+            or self.caller.get(key, 0) >= sizes[key]
+            or not self._moved(key)
+        ):
             return
-        extra[key] = nbytes
-        live += nbytes
-        lk[0] += nbytes
-        if key in inp:
-            inp_lk += nbytes
+        self.extra[key] = nbytes
+        self.live += nbytes
+        self.lk[0] += nbytes
+        if key in self.inp:
+            self.inp_lk += nbytes
 
-    def recompute(ev: Recompute, rec: Record) -> None:
-        nonlocal live
-        transient = segment_peak(tape, ev.segment)
-        reach(live + transient)
-        timeline.append((f"bwd {rec.index} recompute", live + transient))
-        timeline_kinds.append((lk[0] + transient, lk[1], lk[2]))
-        plan_points.append(("recompute", lk[0] + lk[2] - inp_lk + transient))
+    def recompute(self, ev: Recompute, rec: Record) -> None:
+        transient = segment_peak(self.tape, ev.segment)
+        self.reach(self.live + transient)
+        self.point(f"bwd {rec.index} recompute", transient)
+        self.plan_point("recompute", transient)
         for key, v in ev.held:
             if v is not None:
-                extra[key] = v.nbytes
-                live += v.nbytes
-                lk[0] += v.nbytes
+                self.extra[key] = v.nbytes
+                self.live += v.nbytes
+                self.lk[0] += v.nbytes
 
-    def run(rec: Record) -> None:
-        if ("body", rec.index) in sizes:
+    def run(self, rec: Record) -> None:
+        unseen = self.unseen_at.get(rec.index, 0)
+        if ("body", rec.index) in self.sizes:
             # A loop's stacked residuals stay until its backward ends; each step unpacks
             # its own residuals (device copies) on top of them, and a checkpointed scan
             # recomputes one segment's residuals first.
             # jax.vjp inside a body record's backward runs one step at a time too.
-            step = (0 if plain else _step_transient(rec)) + _segment_transient(rec)
-            step += max(unseen_at.get(rec.index, 0), 0)
+            step = (0 if self.plain else _step_transient(rec)) + _segment_transient(rec)
+            step += max(unseen, 0)
             if step:
-                reach(live + step)
-                timeline.append((f"bwd {rec.index} step", live + step))
-                timeline_kinds.append((lk[0] + step, lk[1], lk[2]))
-        elif unseen_at.get(rec.index, 0) > 0:
+                self.reach(self.live + step)
+                self.point(f"bwd {rec.index} step", step)
+        elif unseen > 0:
             # jax.vjp's residuals for this record, made and freed inside its backward.
-            est = unseen_at[rec.index]
-            reach(live + est)
-            timeline.append((f"bwd {rec.index} jax.vjp", live + est))
-            timeline_kinds.append((lk[0] + est, lk[1], lk[2]))
-        reach(live)
-        plan_points.append((f"bwd {rec.index}", lk[0] + lk[2] - inp_lk))
-
-    sched = schedule(tape, 0 if plain else resolve_prefetch(policy, tape))
-    for st in sched.steps:
-        for ev in st.events:
-            if type(ev) is Unpack:
-                unpack(ev.key, ev.saved.nbytes)
-            elif type(ev) is Release:
-                release(ev.key)
-            elif type(ev) is Recompute:
-                recompute(ev, st.record)
-            else:
-                run(st.record)
-        timeline.append((f"bwd {st.record.index}", live))
-        timeline_kinds.append((lk[0], lk[1], lk[2]))
-    return Timeline(
-        tuple(timeline),
-        tuple(timeline_kinds),
-        residual,
-        peak,
-        peak_beyond,
-        input_live,
-        tuple(plan_points),
-    )
+            self.reach(self.live + unseen)
+            self.point(f"bwd {rec.index} jax.vjp", unseen)
+        self.reach(self.live)
+        self.plan_point(f"bwd {rec.index}")
