@@ -15,7 +15,7 @@ from typing import Any
 from tapegrad.core.tape import Tape
 from tapegrad.planner import candidates as C
 from tapegrad.planner import families, search
-from tapegrad.planner.chain import as_chain, chain_plan
+from tapegrad.planner.chain import Chain, as_chain, chain_plan
 from tapegrad.planner.scorer import CLASSES, Scorer
 from tapegrad.planner.stages import stage_plan
 
@@ -76,11 +76,12 @@ def _save_recompute(
     return sc, sc.best
 
 
-def _least_on_chain(sc: Scorer, ch: Any, fixed: list, budget: int) -> None:
+def _least_on_chain(sc: Scorer, ch: Chain, fixed: list, budget: int) -> None:
     """No plan fits: score the chain program's plans at budgets bisected between
     ``budget`` and the least peak seen, so that the scorer's floor, which the
     BudgetError names, is the least peak of any plan."""
-    lo, hi = budget, sc.floor if sc.floor is not None else sum(ch.out_bytes) + sum(ch.aux_bytes)
+    assert sc.floor is not None  # the hinted plan is scored first
+    lo, hi = budget, sc.floor
     while hi - lo > 1:
         mid = (lo + hi) // 2
         dec = chain_plan(ch, fixed, mid)
