@@ -284,3 +284,45 @@ def test_a_custom_vjp_residual_that_is_its_output_or_operand_is_one_value():
         got = tg.grad(_aliased, argnums=(0, 1), policy=p)(x0, w)
         for a, e in zip(got, want):
             np.testing.assert_allclose(a, e, rtol=2e-5, atol=1e-6)
+
+
+@jax.custom_vjp
+def _scaled(x, c, flag):
+    return jnp.where(flag, x * c, x)
+
+
+def _scaled_fwd(x, c, flag):
+    return _scaled(x, c, flag), (c, c, flag)
+
+
+def _scaled_bwd(r, g):
+    c, c2, flag = r
+    return jnp.where(flag, g * c * c2 / c2, g), jnp.zeros_like(c), None
+
+
+_scaled.defvjp(_scaled_fwd, _scaled_bwd)
+
+
+def _literal_kept(x):
+    # constants handed back as they are, then kept by a custom_vjp as its operands (one
+    # twice): diffrax's adjoints keep stop_gradient'ed flags and step sizes like these
+    c = jax.lax.stop_gradient(jnp.float32(2.0))
+    flag = jax.lax.stop_gradient(True)
+    return jnp.sum(jnp.sin(_scaled(jnp.cos(x), c, flag)))
+
+
+def test_a_kept_literal_is_no_residual():
+    """A literal that a record hands back as it is (`stop_gradient(2.0)`) is the tape's
+    constant, no array backward holds: the planner and memory_report count none of it
+    (the planner counted a kept bool and a literal kept twice; the report, a literal
+    array), so they agree with each other and with what `del vjp_fn` frees."""
+    x = jnp.linspace(-1.0, 1.0, 4)
+    rep = tg.memory_report(_literal_kept)(x)
+    assert rep.peak_beyond_inputs_bytes == 16  # sin's input, all that backward holds
+    pol = tg.policies.budget(bytes=rep.peak_beyond_inputs_bytes)
+    with pytest.warns(UserWarning, match="save\\(\\) keeps 16 B"):  # the planner's figure too
+        planned = tg.memory_report(_literal_kept, policy=pol)(x)
+    assert planned.planned_peak_bytes == planned.measured_device_peak_bytes == 16
+    want = jax.grad(_literal_kept)(x)
+    for p in (None, pol):
+        np.testing.assert_allclose(tg.grad(_literal_kept, policy=p)(x), want, rtol=1e-6)

@@ -405,8 +405,9 @@ class Tape:
             ids: set[Any] = {v.id for v in self.inputs} | {v.id for v, _ in self.consts}
 
             def held(i: int | None, rec: Record) -> bool:
+                # a constant handed back is no array either (`stop_gradient(True)`)
                 src = rec.inputs[i] if i is not None else None
-                return isinstance(src, Var) and src.id in ids
+                return type(src) is Lit or (isinstance(src, Var) and src.id in ids)
 
             # (a custom_vjp's residual that is its operand has the operand's key: `aliases`)
             for rec in self.records:

@@ -17,7 +17,7 @@ from jax import tree_util
 
 from tapegrad.core.residual_policy import wrapped
 from tapegrad.core.sizes import array_nbytes, as_dtype
-from tapegrad.core.tape import Record, Tape
+from tapegrad.core.tape import Lit, Record, Tape
 from tapegrad.engine.loops.common import _Stored
 from tapegrad.engine.loops.saves import forwarded_ids
 from tapegrad.engine.loops.schedule import _Segmented
@@ -201,6 +201,16 @@ def _arrays(x) -> list:
     return out
 
 
+def _literal_ids(tape: Tape) -> set[int]:
+    """Ids of the literal values on ``tape``'s records, its bodies' included."""
+    out: set[int] = set()
+    for rec in tape.records:
+        out.update(id(i.value) for i in rec.inputs if type(i) is Lit)
+        for body in rec.bodies:
+            out |= _literal_ids(body)
+    return out
+
+
 def _auto_of(policy: Any) -> Any:
     """The `compress(bits="auto")` policy packing the residuals (it or one it wraps)."""
     for p in wrapped(policy):
@@ -252,7 +262,9 @@ def account(tape: Tape, res: Any, policy: Any, args: Sequence[Any] = ()) -> Acco
     # are one key, measured (with its bodies' rows) off its _Stored.
     sizes_acc: dict[Any, _Acc] = {}
     bodies: dict[int, _Body] = {}
-    seen: set[int] = set()
+    # A literal handed back as it is (`stop_gradient(1.0)` into a custom_vjp that keeps
+    # it) is the tape's own constant, like ``const_ids``: no residual's bytes.
+    seen: set[int] = _literal_ids(tape)
     # Under compress(bits="auto"): the bit widths read off the packed values.
     auto = _auto_of(policy)
     bits: dict[Any, set[int]] = {}
