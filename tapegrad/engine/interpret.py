@@ -160,6 +160,34 @@ def _boundary_consumers(tape: Tape) -> dict[int, tuple[Record, int]]:
     return out
 
 
+def _last_uses(tape: Tape) -> dict[int, int]:
+    """Var id -> the index of the last record reading it (past the end: an output)."""
+    last_use: dict[int, int] = {}
+    for rec in tape.records:
+        for i in rec.inputs:
+            if isinstance(i, Var):
+                last_use[i.id] = rec.index
+    for o in tape.outputs:
+        if isinstance(o, Var):
+            last_use[o.id] = len(tape.records)
+    return last_use
+
+
+def _keep_boundary(res: Residuals, boundary: dict, var_id: int, value: Any) -> None:
+    """Keep a segment's input (``boundary``: `_boundary_consumers`) when forward makes it,
+    packed as the first record of the segment that reads it would save it."""
+    store = res.store
+    if var_id in store:
+        return
+    rec, i = boundary[var_id]
+    u = rec.inputs[i]
+    store[var_id] = (
+        value
+        if res.plain or var_id in res.raw
+        else _pack(res, rec, var_id, Saved("in", i, u.shape, u.dtype), value, segment_input=True)
+    )
+
+
 def forward(
     tape: Tape,
     args: Sequence[Any],
@@ -184,15 +212,7 @@ def forward(
     for (v, _), c in zip(tape.consts, const_vals):
         env[v.id] = c
 
-    last_use: dict[int, int] = {}
-    for rec in tape.records:
-        for i in rec.inputs:
-            if isinstance(i, Var):
-                last_use[i.id] = rec.index
-    for o in tape.outputs:
-        if isinstance(o, Var):
-            last_use[o.id] = len(tape.records)
-
+    last_use = _last_uses(tape)
     res = Residuals(policy)
     plain = res.plain = is_plain(policy)
     res.raw, res.loops, res.steps = forwarded, loops, steps
@@ -207,23 +227,9 @@ def forward(
         boundary = _boundary_consumers(tape)
     else:
         recomputed, boundary = {}, {}
-
-    def keep_boundary(var_id: int, value) -> None:
-        if var_id in store:
-            return
-        rec, i = boundary[var_id]
-        u = rec.inputs[i]
-        store[var_id] = (
-            value
-            if plain or var_id in forwarded
-            else _pack(
-                res, rec, var_id, Saved("in", i, u.shape, u.dtype), value, segment_input=True
-            )
-        )
-
     for v in list(tape.inputs) + [c for c, _ in tape.consts]:
         if v.id in boundary:
-            keep_boundary(v.id, env[v.id])
+            _keep_boundary(res, boundary, v.id, env[v.id])
 
     for rec in tape.records:
         ins = [env[i.id] if isinstance(i, Var) else i.value for i in rec.inputs]
@@ -242,7 +248,7 @@ def forward(
         for o, val in zip(rec.outputs, outs):
             env[o.id] = val
             if o.id in boundary:
-                keep_boundary(o.id, val)
+                _keep_boundary(res, boundary, o.id, val)
         if rec.saves:
             for s in rec.saves:
                 key = rec.residual_key(s)
@@ -378,64 +384,97 @@ def backward(
             "were released after the first backward. Use tg.vjp(..., "
             "retain_residuals=True) (the default) to call vjp_fn more than once."
         )
-    cts: dict[int, Any] = {}
-
-    def accum(var, ct):
-        prev = cts.get(var.id)
-        cts[var.id] = ct if prev is None else lax.add(prev, ct)
-
+    run = _Backward(tape, res, retain, observer, capture)
     for o, ct in zip(tape.outputs, out_cts):
         if ct is not None and isinstance(o, Var):
-            accum(o, ct)
+            run.accum(o, ct)
+    for step in run.sched.steps:
+        run.step(step)
+    if not retain:
+        res.released = True
+    return [run.cts.get(v.id) for v in tape.inputs]
 
-    store = res.store
-    plain = res.plain
-    sched = schedule(tape, 0 if plain else resolve_prefetch(res.policy, tape))
-    remaining = dict(sched.uses)  # uses left in this backward, per residual
-    unpacked: dict[Any, Any] = {}
-    recomputed: dict[Any, Any] = {}
-    seg_of = sched.recomputed
-    trigger: list = []  # the cotangents of the record being processed
 
-    def release(key) -> None:
-        left = remaining[key] - 1
-        remaining[key] = left
+class _Backward:
+    """One backward run over a tape: the schedule (`engine.backward_schedule`) executed
+    step by step, with the cotangents, the residuals unpacked or recomputed so far and
+    the uses each has left."""
+
+    __slots__ = (
+        "tape",
+        "res",
+        "store",
+        "plain",
+        "retain",
+        "observer",
+        "capture",
+        "sched",
+        "remaining",
+        "unpacked",
+        "recomputed",
+        "seg_of",
+        "trigger",
+        "cts",
+    )
+
+    def __init__(self, tape: Tape, res: Residuals, retain: bool, observer: Any, capture: Any):
+        self.tape, self.res, self.retain = tape, res, retain
+        self.observer, self.capture = observer, capture
+        self.store = res.store
+        self.plain = plain = res.plain
+        self.sched = sched = schedule(tape, 0 if plain else resolve_prefetch(res.policy, tape))
+        self.remaining = dict(sched.uses)  # uses left in this backward, per residual
+        self.unpacked: dict[Any, Any] = {}
+        self.recomputed: dict[Any, Any] = {}
+        self.seg_of = sched.recomputed
+        self.trigger: list = []  # the cotangents of the record being processed
+        self.cts: dict[int, Any] = {}
+
+    def accum(self, var: Var | Lit, ct: Any) -> None:
+        cts = self.cts
+        prev = cts.get(var.id)  # type: ignore[union-attr]
+        cts[var.id] = ct if prev is None else lax.add(prev, ct)  # type: ignore[union-attr]
+
+    def release(self, key) -> None:
+        left = self.remaining[key] - 1
+        self.remaining[key] = left
         if left == 0:
             if _TAP is not None:
-                _TAP.append((tape, "release", key))
-            unpacked.pop(key, None)
-            recomputed.pop(key, None)
-            if not retain:
-                store.pop(key, None)
-                res.origins.pop(key, None)
+                _TAP.append((self.tape, "release", key))
+            self.unpacked.pop(key, None)
+            self.recomputed.pop(key, None)
+            if not self.retain:
+                self.store.pop(key, None)
+                self.res.origins.pop(key, None)
 
-    def unpack(rec, key, s):
+    def unpack(self, rec, key, s):
         if _TAP is not None:
-            _TAP.append((tape, "unpack", key))
-        v = unpacked[key] = _unpack(res, rec, key, s, trigger)
+            _TAP.append((self.tape, "unpack", key))
+        v = self.unpacked[key] = _unpack(self.res, rec, key, s, self.trigger)
         return v
 
-    def get(rec, key, s):
-        v = recomputed.get(key)
+    def get(self, rec, key, s):
+        v = self.recomputed.get(key)
         if v is not None:
             return v
-        if key not in store:
-            sid = seg_of.get(key)
+        if key not in self.store:
+            sid = self.seg_of.get(key)
             if sid is None:
                 raise ResidualError(f"residual {s} of {where(rec)} is missing")
-            _recompute(tape.segments[sid])
-            return recomputed[key]
-        if plain:
-            return _unpack(res, rec, key, s)
-        v = unpacked.get(key)
-        return unpack(rec, key, s) if v is None else v
+            self.recompute(self.tape.segments[sid])
+            return self.recomputed[key]
+        if self.plain:
+            return _unpack(self.res, rec, key, s)
+        v = self.unpacked.get(key)
+        return self.unpack(rec, key, s) if v is None else v
 
-    def _recompute(seg: Segment) -> None:
+    def recompute(self, seg: Segment) -> None:
         """Re-run a segment forward from its saved inputs, keeping what backward needs."""
-        ev = sched.recomputes[seg.id]
+        tape = self.tape
+        ev = self.sched.recomputes[seg.id]
         vals: dict[Any, Any] = {}
         for v, rec0 in zip(seg.inputs, ev.readers):
-            vals[v.id] = get(rec0, v.id, Saved("in", 0, v.shape, v.dtype))
+            vals[v.id] = self.get(rec0, v.id, Saved("in", 0, v.shape, v.dtype))
         if _TAP is not None:
             _TAP.append((tape, "recompute", seg.id))
         if seg.prevent_cse and any(isinstance(x, jax.core.Tracer) for x in vals.values()):
@@ -443,21 +482,23 @@ def backward(
             # computation; the barrier (tied to this backward step's cotangents, so it
             # cannot be hoisted into forward) keeps it a real recomputation.
             ids = list(vals)
-            vals = dict(zip(ids, tie_to(tuple(vals[i] for i in ids), trigger)))
+            vals = dict(zip(ids, tie_to(tuple(vals[i] for i in ids), self.trigger)))
         wanted = {k for k, _ in ev.held}
-        records = [tape.records[k] for k in seg.records]
         out = None
         if seg.compiled and _is_concrete(vals.values()):
             out = run_compiled_segment(tape, seg, vals)
         if out is None:
-            out = run_segment(records, wanted, vals, res)
-        recomputed.update(out)
+            out = run_segment([tape.records[k] for k in seg.records], wanted, vals, self.res)
+        self.recomputed.update(out)
         del out, vals
         for v in seg.inputs:
-            release(v.id)
+            self.release(v.id)
 
-    for step in sched.steps:
+    def step(self, step: Any) -> None:
+        """One record's backward: its rule (or loop) on its output cotangents, when any
+        came, then the releases the schedule puts after it."""
         rec, keys = step.record, step.keys
+        cts, capture, trigger = self.cts, self.capture, self.trigger
         gs = [cts.pop(o.id, None) for o in rec.outputs]
         if capture is not None:  # retained intermediate cotangents (tg.grad(intermediates=))
             for o, g in zip(rec.outputs, gs):
@@ -468,53 +509,48 @@ def backward(
         # asynchronous, so the copies overlap the compute of the records between
         # (the schedule's prefetch depth: `planner.cost.prefetch_depth` for offload's "auto").
         for ev in step.prefetch:
-            if ev.key not in unpacked and ev.key in store:
-                unpack(ev.record, ev.key, ev.saved)
-        if any(g is not None for g in gs):
-            x, y, aux = _saved_values(rec, rec.saves, keys, get)
-            stored = None
-            if rec.bodies:
-                stored = store.get(("body", rec.index))
-                if stored is None:  # a recomputed loop: re-run it (its segment) first
-                    stored = recomputed.pop(("body", rec.index), None)
-                    if stored is None:
-                        seg = next(g for g in tape.segments if rec.index in g.records)
-                        _recompute(seg)
-                        stored = recomputed.pop(("body", rec.index))
-            # The cotangents as this step's barriers handed them back (`tie_to`).
-            tied = iter(trigger)
-            gs = [None if g is None else next(tied) for g in gs]
-            if rec.bodies:
-                in_cts = kind_of(rec).backward(rec, x, stored, gs, retain, observer)
-            else:
-                rule = lookup(rec.primitive) or FALLBACK
-                in_cts = _apply_rule(rule, _placed(rec, res), x, y, aux, gs)
-            if observer is not None:
-                observer.backward_record(rec, gs, in_cts)
-            if _TAP is not None:
-                _TAP.append((tape, "run", rec.index))
-            del x, y, aux
-            if capture is not None:  # a retained cotangent after a tg.hook (retained_keys)
-                for j, ct in enumerate(in_cts):
-                    if ("in", rec.index, j) in capture:
-                        capture["in", rec.index, j] = ct
-            for inp, ct in zip(rec.inputs, in_cts):
-                if ct is not None:
-                    accum(inp, ct)
-                del ct
-            # Not held into the next record's step: its recomputation would find this
-            # record's cotangents still alive (a summed one twice: its part and the sum).
-            del in_cts
+            if ev.key not in self.unpacked and ev.key in self.store:
+                self.unpack(ev.record, ev.key, ev.saved)
+        if trigger:
+            self._run(rec, keys, gs)
         del gs
         trigger.clear()
         for key in keys:
-            release(key)
-    if not retain:
-        res.released = True
-    # `get` and `_recompute` call each other (a reference cycle through their closure
-    # cells): what they reach is emptied here, so the last cotangents and residuals are
-    # freed now, not at the next garbage collection.
-    trigger.clear()
-    unpacked.clear()
-    recomputed.clear()
-    return [cts.get(v.id) for v in tape.inputs]
+            self.release(key)
+
+    def _run(self, rec: Record, keys: Any, gs: list) -> None:
+        x, y, aux = _saved_values(rec, rec.saves, keys, self.get)
+        stored = None
+        if rec.bodies:
+            stored = self.store.get(("body", rec.index))
+            if stored is None:  # a recomputed loop: re-run it (its segment) first
+                stored = self.recomputed.pop(("body", rec.index), None)
+                if stored is None:
+                    seg = next(g for g in self.tape.segments if rec.index in g.records)
+                    self.recompute(seg)
+                    stored = self.recomputed.pop(("body", rec.index))
+        # The cotangents as this step's barriers handed them back (`tie_to`).
+        tied = iter(self.trigger)
+        gs = [None if g is None else next(tied) for g in gs]
+        if rec.bodies:
+            in_cts = kind_of(rec).backward(rec, x, stored, gs, self.retain, self.observer)
+        else:
+            rule = lookup(rec.primitive) or FALLBACK
+            in_cts = _apply_rule(rule, _placed(rec, self.res), x, y, aux, gs)
+        if self.observer is not None:
+            self.observer.backward_record(rec, gs, in_cts)
+        if _TAP is not None:
+            _TAP.append((self.tape, "run", rec.index))
+        del x, y, aux, gs
+        capture = self.capture
+        if capture is not None:  # a retained cotangent after a tg.hook (retained_keys)
+            for j, ct in enumerate(in_cts):
+                if ("in", rec.index, j) in capture:
+                    capture["in", rec.index, j] = ct
+        for inp, ct in zip(rec.inputs, in_cts):
+            if ct is not None:
+                self.accum(inp, ct)
+            del ct
+        # Not held into the next record's step: its recomputation would find this
+        # record's cotangents still alive (a summed one twice: its part and the sum).
+        del in_cts
