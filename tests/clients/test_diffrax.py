@@ -76,8 +76,11 @@ def case(name: str) -> Case:
 
 # The planner's least peak is above save()'s measured one: 212 B for 208 B. An identity
 # custom_jvp hands one array back as two outputs, both kept by the adjoint's custom_vjp:
-# the planner keys them by var, twice. (233 B for 216 B before a custom_vjp's residuals
-# that are its outputs or operands shared their keys and kept literals counted nothing.)
+# two residuals, one array under save(), two under a policy that packs each (offload's
+# copies). They cannot share a key: under an outer jax.grad their tangents differ (the
+# custom_jvp's rule, or stop_gradient's zero), so backward must read each its own. (233 B
+# for 216 B before a custom_vjp's residuals that are its outputs or operands shared their
+# keys and kept literals counted nothing.)
 XFAIL = {
     ("adaptive-backsolve", "budget"): PLANNER_ABOVE_SAVE,
     ("adaptive-backsolve", "at_save"): PLANNER_ABOVE_SAVE,
