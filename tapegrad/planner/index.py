@@ -39,30 +39,8 @@ class TapeIndex:
         # each recomputed segment's fixed cost, in flops (`CostModel.segment_flops`)
         self.seg_flops = seg_flops
         recs = tape.records
-        n = len(recs)
-        self.n = n
-        producer: dict[int, int] = {}
-        for r in recs:
-            for o in r.outputs:
-                producer[o.id] = r.index
-        self.producer = producer
-        region = [r.region for r in recs]
-        # per record: (id, Var, producer index or -1) of each Var input, in order
-        self.in_vars: list[list[tuple[int, Var, int]]] = []
-        self.same_region_in: list[list[int]] = []  # producers of inputs, same region
-        for r in recs:
-            ins = []
-            same = []
-            for u in r.inputs:
-                if isinstance(u, Var):
-                    p = producer.get(u.id, -1)
-                    ins.append((u.id, u, p))
-                    if p >= 0 and region[p] == r.region:
-                        same.append(p)
-            self.in_vars.append(ins)
-            self.same_region_in.append(same)
-        self.in_prod = [[p for _, _, p in ins if p >= 0] for ins in self.in_vars]
-        self.out_ids = [[o.id for o in r.outputs] for r in recs]
+        self.n = n = len(recs)
+        self._values(recs)
         self.derives = [
             r.rule != "none" and (bool(r.bodies) or any(s.kind == "aux" for s in r.saves))
             for r in recs
@@ -70,29 +48,7 @@ class TapeIndex:
         self.active = [r.rule != "none" for r in recs]
         self.has_aux = [any(s.kind == "aux" for s in r.saves) for r in recs]
         self.has_bodies = [bool(r.bodies) for r in recs]
-        # per record: (var id, producer) of each input/output save that is a produced Var
-        self.save_vars: list[list[tuple[int, int]]] = []
-        # per record: its residual keys (in save order) and aux keys
-        self.keys: list[list[Any]] = []
-        self.aux_keys: list[list[Any]] = []
-        obj: dict[Any, Any] = {}  # key -> Var / Saved, first occurrence (residual_keys)
-        for r in recs:
-            sv, ks, ak = [], [], []
-            for s in r.saves:
-                key = r.residual_key(s)
-                ks.append(key)
-                if s.kind == "aux":
-                    ak.append(key)
-                    obj.setdefault(key, s)
-                    continue
-                v = r.inputs[s.index] if s.kind == "in" else r.outputs[s.index]
-                obj.setdefault(key, v)
-                if isinstance(v, Var) and v.id in producer:
-                    sv.append((v.id, producer[v.id]))
-            self.save_vars.append(sv)
-            self.keys.append(ks)
-            self.aux_keys.append(ak)
-        self.key_obj = obj
+        self._saves(recs)
         self.order = [i for i in range(n - 1, -1, -1) if self.active[i]]
         uses: dict[Any, int] = {}
         for i in range(n):
@@ -100,19 +56,8 @@ class TapeIndex:
                 for key in self.keys[i]:
                     uses[key] = uses.get(key, 0) + 1
         self.uses0 = uses
-        free = tape.caller_ids()
-        self.free = free
-        size: dict[Any, int] = {}
-        for key, v in obj.items():
-            size[key] = 0 if key in free else v.nbytes
-        for r in recs:
-            for o in r.outputs:
-                size.setdefault(o.id, o.nbytes)
-            for u in r.inputs:
-                if isinstance(u, Var) and u.id not in size:
-                    size[u.id] = 0 if u.id in free else u.nbytes
-        self.size = size
-        self.out_bytes = {o.id: o.nbytes for r in recs for o in r.outputs}
+        self.free = tape.caller_ids()
+        self._sizes(recs)
         self.flops = [record_flops(r) for r in recs]
         # loop record -> bytes of its per-step residuals while kept (`loops_held`)
         self.loop_bytes = {k[1]: b for k, b in loops_held(tape, ()).items()}
@@ -138,6 +83,76 @@ class TapeIndex:
         self._segs_memo: dict[tuple[int, ...], tuple[Segment, ...]] = {}  # needed -> segments
         self._segs_key: dict[int, tuple[int, ...]] = {}  # id of a memoised result -> its key
         self._sim_memo: dict[tuple[int, ...], tuple] = {}  # needed -> `simulate`'s result
+
+    def _values(self, recs: Sequence[Any]) -> None:
+        """Who makes each value and what each record reads: ``producer``, ``in_vars``,
+        ``same_region_in``, ``in_prod``, ``out_ids``."""
+        producer: dict[int, int] = {}
+        for r in recs:
+            for o in r.outputs:
+                producer[o.id] = r.index
+        self.producer = producer
+        region = [r.region for r in recs]
+        # per record: (id, Var, producer index or -1) of each Var input, in order
+        self.in_vars: list[list[tuple[int, Var, int]]] = []
+        self.same_region_in: list[list[int]] = []  # producers of inputs, same region
+        for r in recs:
+            ins = []
+            same = []
+            for u in r.inputs:
+                if isinstance(u, Var):
+                    p = producer.get(u.id, -1)
+                    ins.append((u.id, u, p))
+                    if p >= 0 and region[p] == r.region:
+                        same.append(p)
+            self.in_vars.append(ins)
+            self.same_region_in.append(same)
+        self.in_prod = [[p for _, _, p in ins if p >= 0] for ins in self.in_vars]
+        self.out_ids = [[o.id for o in r.outputs] for r in recs]
+
+    def _saves(self, recs: Sequence[Any]) -> None:
+        """What each record keeps: ``save_vars`` (var id, producer) of each input/output
+        save that is a produced Var, ``keys`` its residual keys in save order,
+        ``aux_keys`` its derived ones, ``key_obj`` each key's Var / Saved, first seen
+        (as `Tape.residual_keys`)."""
+        producer = self.producer
+        self.save_vars: list[list[tuple[int, int]]] = []
+        self.keys: list[list[Any]] = []
+        self.aux_keys: list[list[Any]] = []
+        obj: dict[Any, Any] = {}
+        for r in recs:
+            sv, ks, ak = [], [], []
+            for s in r.saves:
+                key = r.residual_key(s)
+                ks.append(key)
+                if s.kind == "aux":
+                    ak.append(key)
+                    obj.setdefault(key, s)
+                    continue
+                v = r.inputs[s.index] if s.kind == "in" else r.outputs[s.index]
+                obj.setdefault(key, v)
+                if isinstance(v, Var) and v.id in producer:
+                    sv.append((v.id, producer[v.id]))
+            self.save_vars.append(sv)
+            self.keys.append(ks)
+            self.aux_keys.append(ak)
+        self.key_obj = obj
+
+    def _sizes(self, recs: Sequence[Any]) -> None:
+        """``size``: bytes per residual key and per value (the caller's own: 0), and
+        ``out_bytes``, every output's."""
+        free = self.free
+        size: dict[Any, int] = {}
+        for key, v in self.key_obj.items():
+            size[key] = 0 if key in free else v.nbytes
+        for r in recs:
+            for o in r.outputs:
+                size.setdefault(o.id, o.nbytes)
+            for u in r.inputs:
+                if isinstance(u, Var) and u.id not in size:
+                    size[u.id] = 0 if u.id in free else u.nbytes
+        self.size = size
+        self.out_bytes = {o.id: o.nbytes for r in recs for o in r.outputs}
 
     # -- build_segments -------------------------------------------------------------
 
@@ -355,10 +370,7 @@ class TapeIndex:
         loops = self._loops_kept(segs)
         live = sum(size.values()) + sum(loops.values())
         peak = live
-        remaining = dict(self.uses0)
-        for seg in segs:
-            for v in seg.inputs:
-                remaining[v.id] = remaining.get(v.id, 0) + 1
+        remaining = self._uses(segs)
         extra: dict[Any, int] = {}
         flops = 0.0
         done: set[int] = set()
@@ -460,10 +472,7 @@ class TapeIndex:
         held = sum(loops.values())  # bytes held whatever the mechanisms (loops, recomputed)
         fixed: list[int] = [held]  # point 0: the end of forward
         labels = ["forward"]
-        remaining = dict(self.uses0)
-        for seg in segs:
-            for v in seg.inputs:
-                remaining[v.id] = remaining.get(v.id, 0) + 1
+        remaining = self._uses(segs)
         extra: dict[Any, int] = {}
         flops = 0.0
         done: set[int] = set()
@@ -529,22 +538,23 @@ class TapeIndex:
                     if i is not None:
                         release[i] = pt
             held -= loops.get(r, 0)
-        last = len(fixed) - 1
         rel = np.array(release, dtype=np.int64)
+        rel[rel < 0] = len(fixed) - 1  # held to the end
         unp = np.array(unpack, dtype=np.int64)
-        rel[rel < 0] = last
         never = unp < 0
         unp[never] = rel[never] + 1
         if self._poles is None:
             self._poles = pole_keys(self.tape)
-        return Timeline(
-            keys,
-            [kept[k] for k in keys],
-            full,
-            rel,
-            unp,
-            np.array(fixed, np.int64),
-            flops,
-            tuple(labels),
-            self._poles | {v.id for seg in segs for v in seg.inputs},
-        )
+        poles = self._poles | {v.id for seg in segs for v in seg.inputs}
+        kept_objs = [kept[k] for k in keys]
+        fx = np.array(fixed, np.int64)
+        return Timeline(keys, kept_objs, full, rel, unp, fx, flops, tuple(labels), poles)
+
+    def _uses(self, segs: Sequence[Segment]) -> dict[Any, int]:
+        """Uses per residual key in backward, with ``segs``' recomputations reading their
+        inputs."""
+        remaining = dict(self.uses0)
+        for seg in segs:
+            for v in seg.inputs:
+                remaining[v.id] = remaining.get(v.id, 0) + 1
+        return remaining

@@ -136,8 +136,35 @@ def stage_plan(
                 local = max(window, default=before) - before
                 runs[(s, t, mode)] = (before - before0[s], sum(kept[s : t + 1]), local, flops)
 
-    # fronts[s]: kept bytes -> (flops, back-pointer) with stage s-1 saved (or s == 0)
-    # or, for s == L, the whole plan.
+    fronts = _fronts(L, budget, kept0, runs, modes)
+    if fronts is None:
+        return None
+    k = min(fronts[L], key=lambda k: (fronts[L][k][0], k))
+    dec = ["save"] * n
+    bp = fronts[L][k][1]
+    while bp is not None:
+        s, k_prev, step = bp
+        if step is not None:
+            t, mode = step
+            run = run_decisions(s, t, mode)
+            for i in range(stages[s][0], stages[t][1] + 1):
+                dec[i] = run[i]
+        bp = fronts[s][k_prev][1]
+    return dec
+
+
+def _fronts(
+    L: int,
+    budget: int,
+    kept0: list[int],
+    runs: dict[tuple[int, int, str], tuple[int, int, int, float]],
+    modes: Sequence[str],
+) -> list[dict[int, tuple[float, Any]]] | None:
+    """The stage plans' Pareto fronts: ``fronts[s]`` maps kept bytes -> (flops,
+    back-pointer) with stage s-1 saved (or s == 0), ``fronts[L]`` the whole plans; None
+    when no whole plan fits ``budget``. ``runs``: (s, t, mode) -> (extra prefix bytes it
+    causes, kept bytes of s..t, local peak, recompute flops); ``kept0``: each stage's
+    kept bytes under save()."""
     fronts: list[dict[int, tuple[float, Any]]] = [dict() for _ in range(L + 1)]
     fronts[0][0] = (0.0, None)
 
@@ -159,17 +186,4 @@ def stage_plan(
                         offer(t + 2, k2 + kept0[t + 1], f + run_flops, (s, k, (t, mode)))
                     else:
                         offer(L, k2, f + run_flops, (s, k, (t, mode)))
-    if not fronts[L]:
-        return None
-    k = min(fronts[L], key=lambda k: (fronts[L][k][0], k))
-    dec = ["save"] * n
-    bp = fronts[L][k][1]
-    while bp is not None:
-        s, k_prev, step = bp
-        if step is not None:
-            t, mode = step
-            run = run_decisions(s, t, mode)
-            for i in range(stages[s][0], stages[t][1] + 1):
-                dec[i] = run[i]
-        bp = fronts[s][k_prev][1]
-    return dec
+    return fronts if fronts[L] else None
