@@ -303,19 +303,24 @@ def _scaled_bwd(r, g):
 _scaled.defvjp(_scaled_fwd, _scaled_bwd)
 
 
+_ON = jnp.array([True, True, False, True])  # closed over: one of the tape's constants
+
+
 def _literal_kept(x):
-    # constants handed back as they are, then kept by a custom_vjp as its operands (one
-    # twice): diffrax's adjoints keep stop_gradient'ed flags and step sizes like these
+    # a literal and a constant handed back as they are, then kept by a custom_vjp as its
+    # operands (one twice): diffrax's adjoints keep stop_gradient'ed flags and step
+    # sizes like these
     c = jax.lax.stop_gradient(jnp.float32(2.0))
-    flag = jax.lax.stop_gradient(True)
+    flag = jax.lax.stop_gradient(_ON)
     return jnp.sum(jnp.sin(_scaled(jnp.cos(x), c, flag)))
 
 
 def test_a_kept_literal_is_no_residual():
-    """A literal that a record hands back as it is (`stop_gradient(2.0)`) is the tape's
-    constant, no array backward holds: the planner and memory_report count none of it
-    (the planner counted a kept bool and a literal kept twice; the report, a literal
-    array), so they agree with each other and with what `del vjp_fn` frees."""
+    """A literal or a constant that a record hands back as it is (`stop_gradient(2.0)`)
+    is the tape's own, no array backward holds: the planner and memory_report count none
+    of it (the planner counted a kept literal twice; the report, a literal's numpy
+    array and the constant), so they agree with each other and with what `del vjp_fn`
+    frees."""
     x = jnp.linspace(-1.0, 1.0, 4)
     rep = tg.memory_report(_literal_kept)(x)
     assert rep.peak_beyond_inputs_bytes == 16  # sin's input, all that backward holds

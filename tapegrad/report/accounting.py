@@ -201,13 +201,14 @@ def _arrays(x) -> list:
     return out
 
 
-def _literal_ids(tape: Tape) -> set[int]:
-    """Ids of the literal values on ``tape``'s records, its bodies' included."""
-    out: set[int] = set()
+def _tape_owned(tape: Tape) -> set[int]:
+    """Ids of the arrays ``tape`` owns: its constants and its records' literal values,
+    its bodies' included."""
+    out = {id(c) for _, c in tape.consts}
     for rec in tape.records:
         out.update(id(i.value) for i in rec.inputs if type(i) is Lit)
         for body in rec.bodies:
-            out |= _literal_ids(body)
+            out |= _tape_owned(body)
     return out
 
 
@@ -262,9 +263,9 @@ def account(tape: Tape, res: Any, policy: Any, args: Sequence[Any] = ()) -> Acco
     # are one key, measured (with its bodies' rows) off its _Stored.
     sizes_acc: dict[Any, _Acc] = {}
     bodies: dict[int, _Body] = {}
-    # A literal handed back as it is (`stop_gradient(1.0)` into a custom_vjp that keeps
-    # it) is the tape's own constant, like ``const_ids``: no residual's bytes.
-    seen: set[int] = _literal_ids(tape)
+    # A literal or constant handed back as it is (`stop_gradient(1.0)` into a custom_vjp
+    # that keeps it) is the tape's own, like ``const_ids``: no residual's bytes.
+    seen: set[int] = _tape_owned(tape)
     # Under compress(bits="auto"): the bit widths read off the packed values.
     auto = _auto_of(policy)
     bits: dict[Any, set[int]] = {}
