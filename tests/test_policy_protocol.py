@@ -2,7 +2,8 @@
 every built-in policy declares only members of it, a policy that declares nothing works
 as `save()` with hooks, and a member of the wrong kind, a near-miss name, a policy without
 `unpack` or a plan of the wrong shape is a `TypeError` naming the policy and the member,
-raised where the policy is given (never a gradient computed without it)."""
+raised where the policy is given (never a gradient computed without it); an `exact`
+policy whose `unpack(pack(x))` is not `x` is one at the first array it packs."""
 
 from __future__ import annotations
 
@@ -127,3 +128,51 @@ def test_one_table_of_cheap_primitives():
     assert EXACT_CHEAP < CHEAP
     assert {"add", "mul", "reshape", "convert_element_type", "concatenate", "iota"} <= EXACT_CHEAP
     assert {"exp", "tanh"} <= CHEAP - EXACT_CHEAP
+
+
+class Rounds(Hooks):
+    """Declares exact but keeps bfloat16: a lie backward would rebuild values from."""
+
+    exact = True
+
+    def pack(self, value, info):
+        self.packed += 1
+        return value.astype(jnp.bfloat16) if jnp.issubdtype(value.dtype, jnp.floating) else value
+
+    def unpack(self, packed, info):
+        return packed.astype(info.dtype)
+
+
+class Copies(Hooks):
+    """Declares exact and is: a copy, bit for bit."""
+
+    exact = True
+
+    def pack(self, value, info):
+        self.packed += 1
+        return jnp.copy(value)
+
+    def unpack(self, packed, info):
+        return packed
+
+
+@pytest.mark.parametrize("wrap", [lambda p: p, lambda p: tg.selective(lambda r: True, base=p)])
+def test_an_exact_policy_that_changes_values_is_an_error(wrap):
+    pol = Rounds()
+    with pytest.raises(TypeError) as info:
+        tg.grad(f, policy=wrap(pol))(X)
+    msg = str(info.value)
+    assert "Rounds" in msg and "exact=True" in msg and "bit for bit" in msg, msg
+    assert pol.packed == 1  # the first residual it packed, before any gradient
+
+
+def test_an_exact_policy_is_checked_eagerly_once():
+    pol = Copies()
+    want = jax.grad(f)(X)
+    np.testing.assert_allclose(tg.grad(f, policy=pol)(X), want, rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(tg.grad(f, policy=pol))(X), want, rtol=1e-6)
+    # Under jit only tracers pass through pack: a lie is found on the first eager call.
+    lie = Rounds()
+    jax.jit(tg.grad(f, policy=lie))(X)
+    with pytest.raises(TypeError, match="exact=True"):
+        tg.grad(f, policy=lie)(X)

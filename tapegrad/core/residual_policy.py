@@ -322,6 +322,43 @@ def is_exact(policy: Any) -> bool:
         return False
 
 
+def exact_claim(policy: Any) -> Any:
+    """The policy written outside tapegrad whose own ``exact = True`` makes ``policy``
+    exact (`is_exact`): it, or one it wraps; None where there is none (tapegrad's own
+    exact policies, `save()` and `offload()`, are not taken on trust from users)."""
+    for _ in range(16):
+        if policy is None:
+            return None
+        exact = declared(policy, "exact")
+        if exact is not None:
+            own = type(policy).__module__.split(".")[0] == "tapegrad"
+            return None if own or not exact else policy
+        if declared(policy, "base") is None or declared(policy, "packs", False):
+            return None
+        policy = declared(policy, "base")
+    return None
+
+
+def check_exact(claim: Any, value: Any, back: Any, info: ResidualInfo) -> None:
+    """Raise a `TypeError` naming the policy when ``back`` (``unpack(pack(value))``) is
+    not ``value`` bit for bit although ``claim`` declares ``exact = True``: backward
+    would rebuild values from ones the policy changed, and give a wrong gradient. (A
+    ``back`` of another shape or dtype breaks pack/unpack's own contract, which backward
+    checks with the record's line: `engine.residuals._unpack`.)"""
+    a, b = np.asarray(value), np.asarray(back)
+    if a.shape != b.shape or a.dtype != b.dtype or a.dtype == object:
+        return
+    a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
+    if not np.array_equal(a.view(np.uint8), b.view(np.uint8)):
+        raise TypeError(
+            f"residual policy {claim!r} declares exact=True, but unpack(pack(x)) is not x "
+            f"bit for bit for {info} (its first values came back as {b.ravel()[:3]} for "
+            f"{a.ravel()[:3]}). Backward rebuilds values from what an "
+            "exact policy keeps, so a policy that rounds, compresses or scales must not "
+            "declare exact (docs/howto/custom_policy.md)."
+        )
+
+
 def keeps_exact(policy: Any, info: ResidualInfo) -> bool:
     """Whether ``policy`` hands backward the residual ``info`` describes unchanged, bit for
     bit: always under an exact policy (`is_exact`); an input the policy is not given

@@ -7,13 +7,14 @@ the shape and dtype that was packed, and a deleted or donated array named).
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import jax
 from jax import lax
 
 from tapegrad.core import jax_compat as compat
-from tapegrad.core.residual_policy import ResidualInfo, packs_inputs
+from tapegrad.core.residual_policy import ResidualInfo, check_exact, exact_claim, packs_inputs
 from tapegrad.core.tape import Lit, Record, as_dtype
 from tapegrad.errors import ResidualError, where
 
@@ -93,12 +94,39 @@ def _pack(res: Residuals, rec: Record, key, s, value, segment_input: bool = Fals
                 "a pack that needs concrete data (np.asarray, .item()) cannot run there."
             )
         raise
+    if id(res.policy) not in _EXACT_CHECKED:
+        _check_claim(res.policy, value, packed, info)
     if not res.loops and not compat.batches_concrete(value):
         # Traced (under jit, or differentiated again): backward's unpacked value will
         # stand for this one (`_stands_for`). A loop body's backward is another trace,
         # which cannot reach this step's value: there the hooks are differentiated.
         res.origins[key] = value
     return packed
+
+
+# Policies whose exactness is settled, by id (each with a weak reference telling a later
+# object at the same address apart): tapegrad's own, or a user's `exact = True` checked
+# on the first concrete array it packed (`check_exact`).
+_EXACT_CHECKED: dict[int, Any] = {}
+
+
+def _check_claim(policy: Any, value: Any, packed: Any, info: ResidualInfo) -> None:
+    claim = exact_claim(policy)
+    if claim is not None:
+        if not isinstance(value, jax.Array) or isinstance(value, jax.core.Tracer):
+            return  # traced (under jit): checked on a later eager call's first residual
+        if jax.dtypes.issubdtype(value.dtype, jax.dtypes.extended):
+            return  # a PRNG key: no bits to compare; the next residual is checked
+        check_exact(claim, value, policy.unpack(packed, info), info)
+    ref = _EXACT_CHECKED.get(id(policy))
+    if ref is not None and ref() is policy:
+        return
+    if len(_EXACT_CHECKED) > 256:
+        _EXACT_CHECKED.clear()
+    try:
+        _EXACT_CHECKED[id(policy)] = weakref.ref(policy)
+    except TypeError:
+        _EXACT_CHECKED[id(policy)] = lambda: policy  # kept alive: its id stays its own
 
 
 @jax.custom_jvp
