@@ -11,6 +11,7 @@ import weakref
 from typing import Any
 
 import jax
+import numpy as np
 from jax import lax
 
 from tapegrad.core import jax_compat as compat
@@ -42,6 +43,7 @@ class Residuals:
         "readers",
         "sources",
         "origins",
+        "probe",
     )
 
     def __init__(self, policy):
@@ -62,6 +64,8 @@ class Residuals:
         self.sources: dict[int, tuple] = {}
         # residual key -> the traced value a policy packed (`_stands_for`)
         self.origins: dict[Any, Any] = {}
+        # (key, host copy) of the residual a user's exact claim is checked on (`_probe`)
+        self.probe: tuple[Any, Any] | None = None
 
 
 def _pack(res: Residuals, rec: Record, key, s, value, segment_input: bool = False):
@@ -94,8 +98,8 @@ def _pack(res: Residuals, rec: Record, key, s, value, segment_input: bool = Fals
                 "a pack that needs concrete data (np.asarray, .item()) cannot run there."
             )
         raise
-    if id(res.policy) not in _EXACT_CHECKED:
-        _check_claim(res.policy, value, packed, info)
+    if res.probe is None and id(res.policy) not in _EXACT_CHECKED:
+        _probe(res, key, value)
     if not res.loops and not compat.batches_concrete(value):
         # Traced (under jit, or differentiated again): backward's unpacked value will
         # stand for this one (`_stands_for`). A loop body's backward is another trace,
@@ -105,28 +109,45 @@ def _pack(res: Residuals, rec: Record, key, s, value, segment_input: bool = Fals
 
 
 # Policies whose exactness is settled, by id (each with a weak reference telling a later
-# object at the same address apart): tapegrad's own, or a user's `exact = True` checked
-# on the first concrete array it packed (`check_exact`).
+# object at the same address apart): tapegrad's own, one that declares nothing, or a
+# user's `exact = True` checked on a residual of a run (`_probe`, `check_exact`).
 _EXACT_CHECKED: dict[int, Any] = {}
+_PROBE_BYTES = 1 << 16  # the largest residual copied to host to check a claim with
 
 
-def _check_claim(policy: Any, value: Any, packed: Any, info: ResidualInfo) -> None:
-    claim = exact_claim(policy)
-    if claim is not None:
-        if not isinstance(value, jax.Array) or isinstance(value, jax.core.Tracer):
-            return  # traced (under jit): checked on a later eager call's first residual
-        if jax.dtypes.issubdtype(value.dtype, jax.dtypes.extended):
-            return  # a PRNG key: no bits to compare; the next residual is checked
-        check_exact(claim, value, policy.unpack(packed, info), info)
-    ref = _EXACT_CHECKED.get(id(policy))
-    if ref is not None and ref() is policy:
-        return
+def _settle(policy: Any) -> None:
     if len(_EXACT_CHECKED) > 256:
         _EXACT_CHECKED.clear()
     try:
         _EXACT_CHECKED[id(policy)] = weakref.ref(policy)
     except TypeError:
         _EXACT_CHECKED[id(policy)] = lambda: policy  # kept alive: its id stays its own
+
+
+def _probe(res: Residuals, key: Any, value: Any) -> None:
+    """Keep a host copy of one small concrete residual a user's `exact = True` policy
+    packs, for backward's unpack of it to be compared with (`_check_probe`): the claim is
+    checked without calling the policy's hooks once more than backward does."""
+    policy = res.policy
+    ref = _EXACT_CHECKED.get(id(policy))
+    if ref is not None and ref() is policy:
+        return
+    if exact_claim(policy) is None:
+        _settle(policy)
+    elif (
+        isinstance(value, jax.Array)
+        and not isinstance(value, jax.core.Tracer)
+        and not jax.dtypes.issubdtype(value.dtype, jax.dtypes.extended)  # no bits to compare
+        and value.nbytes <= _PROBE_BYTES
+    ):
+        res.probe = (key, np.array(value))
+
+
+def _check_probe(res: Residuals, original: Any, value: Any, info: ResidualInfo) -> None:
+    if not isinstance(value, jax.core.Tracer):
+        res.probe = None
+        check_exact(exact_claim(res.policy), original, value, info)
+        _settle(res.policy)
 
 
 @jax.custom_jvp
@@ -202,6 +223,9 @@ def _unpack(res: Residuals, rec: Record, key, s, after: list | None = None):
                 f" for {s} of {where(rec)}, which saved {s.dtype}{list(s.shape)}. "
                 "unpack must return an array of the shape and dtype that pack received."
             )
+        probe = res.probe
+        if probe is not None and probe[0] == key:
+            _check_probe(res, probe[1], value, info)
         original = res.origins.get(key)
         if original is not None:
             value = _stands_for(original, value)
