@@ -310,33 +310,29 @@ def is_exact(policy: Any) -> bool:
     (`keeps_exact`, `_rebuild.rebuilt_records`): rebuilt from rounded operands, a
     value the policy itself would keep exact (a divisor, under low-bit compression)
     would come back rounded."""
-    if policy is None:
-        return True
-    while True:
-        exact = declared(policy, "exact")
+    return policy is None or bool(_exact_declaration(policy)[1])
+
+
+def _exact_declaration(policy: Any) -> tuple[Any, bool | None]:
+    """(the policy whose own ``exact`` answers for ``policy``: it, or the base of a wrapper
+    that packs nothing itself; that answer), or (None, None) where none declares one."""
+    for p in wrapped(policy):
+        exact = declared(p, "exact")
         if exact is not None:
-            return bool(exact)
-        if declared(policy, "base") is not None and not declared(policy, "packs", False):
-            policy = declared(policy, "base")
-            continue
-        return False
+            return p, bool(exact)
+        if declared(p, "packs", False):
+            break
+    return None, None
 
 
 def exact_claim(policy: Any) -> Any:
     """The policy written outside tapegrad whose own ``exact = True`` makes ``policy``
     exact (`is_exact`): it, or one it wraps; None where there is none (tapegrad's own
     exact policies, `save()` and `offload()`, are not taken on trust from users)."""
-    for _ in range(16):
-        if policy is None:
-            return None
-        exact = declared(policy, "exact")
-        if exact is not None:
-            own = type(policy).__module__.split(".")[0] == "tapegrad"
-            return None if own or not exact else policy
-        if declared(policy, "base") is None or declared(policy, "packs", False):
-            return None
-        policy = declared(policy, "base")
-    return None
+    who, exact = _exact_declaration(policy)
+    if not exact or type(who).__module__.split(".")[0] == "tapegrad":
+        return None
+    return who
 
 
 def check_exact(claim: Any, value: Any, back: Any, info: ResidualInfo) -> None:
